@@ -1,0 +1,16 @@
+# The two set-up commands of the README. Each one installs what it needs into .venv.
+.PHONY: demo test lint setup
+
+setup:
+	scripts/setup.sh
+
+demo:
+	scripts/setup.sh
+	.venv/bin/rolloutlog demo
+
+test:
+	scripts/setup.sh --vllm
+	.venv/bin/python -m pytest
+
+lint:
+	.venv/bin/ruff check . && .venv/bin/ruff format --check .

@@ -1,0 +1,198 @@
+"""The one protocol every generation backend honours (vLLM, torch, deterministic test).
+
+A backend turns a group request (one prompt, some siblings, each with its attempt
+number) into one result per requested sibling: sampled token ids, their logprobs and
+the weight version that produced them. The contract is checked by
+:func:`validate_results` for every backend, and the contract test suite runs against
+all of them, so the test backend is exactly as strict as the real ones.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+class BackendError(Exception):
+    """A generation request failed. ``retryable`` says whether a new attempt may succeed."""
+
+    def __init__(self, message: str, *, retryable: bool = True) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+class BackendUnavailableError(BackendError):
+    """The backend cannot be reached or started (not retryable by the rollout pump)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retryable=False)
+
+
+class BackendAbortedError(BackendError):
+    """The request was aborted (by :meth:`GenerationBackend.abort`) before it finished."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retryable=True)
+
+
+class MalformedResultError(BackendError):
+    """A backend returned results that break the contract (count, ids, logprobs)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retryable=False)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingConfig:
+    """Sampling parameters shared by every sibling of a request."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class SiblingSpec:
+    """One sibling to generate: its index within the group and its attempt number."""
+
+    sibling: int
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class GroupRequest:
+    """Generate ``siblings`` for one prompt (a group, or the unfinished part of one)."""
+
+    group_id: int
+    prompt_token_ids: tuple[int, ...]
+    siblings: tuple[SiblingSpec, ...]
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    def request_id(self, spec: SiblingSpec) -> str:
+        """Stable id of one sibling attempt (used for abort and fencing)."""
+        return f"g{self.group_id}-s{spec.sibling}-a{spec.attempt}"
+
+
+@dataclass(frozen=True, slots=True)
+class SiblingResult:
+    """One generated sibling."""
+
+    group_id: int
+    sibling: int
+    attempt: int
+    weight_version: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str  # "stop" | "length"
+
+
+@runtime_checkable
+class GenerationBackend(Protocol):
+    """What the rollout pump needs from a generation engine."""
+
+    name: str
+
+    @property
+    def vocab_size(self) -> int:
+        """Size of the token vocabulary; every token id is in ``[0, vocab_size)``."""
+        ...
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the weights new requests are served with."""
+        ...
+
+    async def start(self) -> None:
+        """Start the engine; raise :class:`BackendUnavailableError` if it cannot start."""
+        ...
+
+    async def generate(self, request: GroupRequest) -> list[SiblingResult]:
+        """Generate every requested sibling; results in the order of ``request.siblings``.
+
+        Raises :class:`BackendError` (retryable or not) or :class:`BackendAbortedError`.
+        """
+        ...
+
+    async def abort(self, group_id: int) -> None:
+        """Abort the in-flight requests of a group; their ``generate`` raises aborted."""
+        ...
+
+    async def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None:
+        """Load new policy weights; requests started afterwards report ``version``."""
+        ...
+
+    async def close(self) -> None:
+        """Stop the engine and release its resources."""
+        ...
+
+
+def validate_request(request: GroupRequest, vocab_size: int, max_model_len: int) -> None:
+    """The request half of the contract, enforced identically by every backend."""
+    if not request.siblings:
+        raise BackendError(f"group {request.group_id}: request names no siblings", retryable=False)
+    if not request.prompt_token_ids:
+        raise BackendError(f"group {request.group_id}: empty prompt", retryable=False)
+    bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise BackendError(
+            f"group {request.group_id}: prompt token ids {bad[:5]} outside [0, {vocab_size})",
+            retryable=False,
+        )
+    if len(request.prompt_token_ids) + request.sampling.max_tokens > max_model_len:
+        raise BackendError(
+            f"group {request.group_id}: prompt of {len(request.prompt_token_ids)} tokens plus "
+            f"max_tokens {request.sampling.max_tokens} exceeds max_model_len {max_model_len}",
+            retryable=False,
+        )
+    seen = [s.sibling for s in request.siblings]
+    if len(set(seen)) != len(seen):
+        raise BackendError(f"group {request.group_id}: duplicate siblings {seen}", retryable=False)
+
+
+def validate_results(
+    request: GroupRequest, results: Sequence[SiblingResult], vocab_size: int
+) -> list[SiblingResult]:
+    """The result half of the contract. Raises :class:`MalformedResultError` naming the defect."""
+    if len(results) != len(request.siblings):
+        raise MalformedResultError(
+            f"group {request.group_id}: asked for {len(request.siblings)} siblings, "
+            f"backend returned {len(results)}"
+        )
+    for spec, res in zip(request.siblings, results, strict=True):
+        who = f"group {request.group_id} sibling {spec.sibling} attempt {spec.attempt}"
+        if (res.group_id, res.sibling, res.attempt) != (
+            request.group_id,
+            spec.sibling,
+            spec.attempt,
+        ):
+            raise MalformedResultError(
+                f"{who}: result is labelled group {res.group_id} sibling {res.sibling} "
+                f"attempt {res.attempt}"
+            )
+        if not res.token_ids:
+            raise MalformedResultError(f"{who}: no tokens generated")
+        if len(res.token_ids) > request.sampling.max_tokens:
+            raise MalformedResultError(
+                f"{who}: {len(res.token_ids)} tokens exceed max_tokens {request.sampling.max_tokens}"
+            )
+        for t in res.token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+                raise MalformedResultError(f"{who}: token id {t!r} outside [0, {vocab_size})")
+        if len(res.logprobs) != len(res.token_ids):
+            raise MalformedResultError(
+                f"{who}: {len(res.logprobs)} logprobs for {len(res.token_ids)} tokens"
+            )
+        for lp in res.logprobs:
+            if not isinstance(lp, float) or math.isnan(lp) or lp > 1e-6:
+                raise MalformedResultError(f"{who}: logprob {lp!r} is not a finite value <= 0")
+        if res.finish_reason not in ("stop", "length"):
+            raise MalformedResultError(f"{who}: unknown finish_reason {res.finish_reason!r}")
+        if res.weight_version < 0:
+            raise MalformedResultError(f"{who}: negative weight version {res.weight_version}")
+    return list(results)

@@ -1,0 +1,31 @@
+"""The ``rolloutlog`` command line: one click group, one module per subcommand family."""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+# (module, attribute) of each subcommand; imported lazily so `--help` stays fast and a
+# missing optional dependency only breaks the command that needs it.
+_COMMANDS: dict[str, tuple[str, str]] = {
+    "db": ("controller.cli.db", "db"),
+    "bench": ("controller.cli.bench", "bench"),
+}
+
+
+class _LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(_COMMANDS))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in _COMMANDS:
+            module, attr = _COMMANDS[cmd_name]
+            return getattr(importlib.import_module(module), attr)
+        return super().get_command(ctx, cmd_name)
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="rolloutlog")
+def main() -> None:
+    """rolloutlog: an event-sourced rollout log for asynchronous RL post-training."""

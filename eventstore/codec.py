@@ -1,0 +1,145 @@
+"""Event codec: typed pydantic events to stored rows and back, with schema upcasting.
+
+This is the mapper between domain events and rows (as in the ``eventsourcing`` library):
+the store moves opaque JSON text, the codec knows the types. Decoding the current schema
+version goes straight through pydantic's JSON parser; older versions are parsed to a
+dict and passed through the registered upcasters, one version step at a time.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, ClassVar, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from .errors import CorruptEventError, NewerSchemaVersionError, UnknownEventTypeError
+from .records import NewEvent, StoredEvent
+
+
+class EventModel(BaseModel):
+    """Base of every typed event: frozen, strict about unknown fields, versioned.
+
+    Subclasses set ``event_type`` (the stored type name) and ``schema_version``; they
+    override :meth:`audit_keys` to fill the denormalised audit columns.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    event_type: ClassVar[str] = ""
+    schema_version: ClassVar[int] = 1
+
+    def audit_keys(self) -> AuditKeys:
+        """The group / prompt / target step this event is about (for the audit columns)."""
+        return NO_AUDIT_KEYS
+
+
+@dataclass(frozen=True, slots=True)
+class AuditKeys:
+    """Denormalised ids stored in their own indexed columns."""
+
+    group_id: int | None = None
+    prompt_index: int | None = None
+    target_step: int | None = None
+
+
+NO_AUDIT_KEYS = AuditKeys()
+
+E = TypeVar("E", bound=type[EventModel])
+Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+class EventCodec:
+    """A registry of event types with their upcasters; encodes and decodes events."""
+
+    def __init__(self) -> None:
+        self._types: dict[str, type[EventModel]] = {}
+        self._upcasters: dict[tuple[str, int], Upcaster] = {}
+
+    def register(self, cls: E) -> E:
+        """Register an event class (usable as a decorator)."""
+        name = cls.event_type
+        if not name:
+            raise TypeError(f"{cls.__name__} has no event_type")
+        if name in self._types and self._types[name] is not cls:
+            raise TypeError(f"event type {name!r} is already registered")
+        self._types[name] = cls
+        return cls
+
+    def upcaster(self, event_type: str, from_version: int) -> Callable[[Upcaster], Upcaster]:
+        """Register ``fn(payload_dict) -> payload_dict`` turning ``from_version`` into the next."""
+
+        def deco(fn: Upcaster) -> Upcaster:
+            self._upcasters[(event_type, from_version)] = fn
+            return fn
+
+        return deco
+
+    @property
+    def types(self) -> dict[str, type[EventModel]]:
+        """Registered event classes by type name."""
+        return dict(self._types)
+
+    def encode(
+        self,
+        event: EventModel,
+        *,
+        recorded_at: datetime,
+        train_step: int | None = None,
+        weight_version: int | None = None,
+    ) -> NewEvent:
+        """Turn a typed event into a row ready to append."""
+        cls = type(event)
+        if self._types.get(cls.event_type) is not cls:
+            raise TypeError(f"event class {cls.__name__} is not registered with this codec")
+        keys = event.audit_keys()
+        return NewEvent(
+            type=cls.event_type,
+            schema_version=cls.schema_version,
+            payload=event.model_dump_json(),
+            recorded_at=recorded_at,
+            train_step=train_step,
+            weight_version=weight_version,
+            group_id=keys.group_id,
+            prompt_index=keys.prompt_index,
+            target_step=keys.target_step,
+        )
+
+    def decode(self, row: StoredEvent) -> EventModel:
+        """Turn a stored row back into its typed event, upcasting older schema versions.
+
+        Raises :class:`UnknownEventTypeError`, :class:`NewerSchemaVersionError` or
+        :class:`CorruptEventError`, each naming the offset.
+        """
+        cls = self._types.get(row.type)
+        if cls is None:
+            raise UnknownEventTypeError(row.seq, row.type, row.schema_version)
+        if row.schema_version > cls.schema_version:
+            raise NewerSchemaVersionError(
+                row.seq, row.type, row.schema_version, cls.schema_version
+            )
+        try:
+            if row.schema_version == cls.schema_version:
+                return cls.model_validate_json(row.payload)
+            data = json.loads(row.payload)
+            if not isinstance(data, dict):
+                raise CorruptEventError(row.seq, row.type, "payload is not a JSON object")
+            for version in range(row.schema_version, cls.schema_version):
+                step = self._upcasters.get((row.type, version))
+                if step is None:
+                    raise CorruptEventError(
+                        row.seq,
+                        row.type,
+                        f"no upcaster from schema version {version} to {version + 1}",
+                    )
+                data = step(data)
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first.get("loc", ())) or "payload"
+            raise CorruptEventError(row.seq, row.type, f"{where}: {first['msg']}") from exc
+        except json.JSONDecodeError as exc:
+            raise CorruptEventError(row.seq, row.type, f"invalid JSON: {exc}") from exc

@@ -1,0 +1,198 @@
+"""Group commit: batch many small appends into few transactions, off the event loop.
+
+The caller submits events and gets their sequence numbers at once (so the controller
+can apply them immediately); a writer thread appends what has queued up, in one
+transaction per batch, when the batch is full or the commit window has passed.
+``flush()`` (or ``await aflush()``) returns once everything submitted before it is
+durable, and re-raises the writer's error if an append failed: after a failure the
+committer accepts nothing more, because later events would depend on lost ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Sequence
+
+from .errors import GroupCommitClosedError, StoreError
+from .records import NewEvent, PayloadPut
+from .store import EventStore
+
+
+class GroupCommitter:
+    """Batches appends to one run of an :class:`EventStore` on a background thread."""
+
+    def __init__(
+        self,
+        store: EventStore,
+        run_id: str,
+        *,
+        epoch: int,
+        next_seq: int,
+        max_batch: int = 2000,
+        window_s: float = 0.005,
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+        if window_s < 0:
+            raise ValueError("window_s must be >= 0")
+        self.store = store
+        self.run_id = run_id
+        self.epoch = epoch
+        self.max_batch = max_batch
+        self.window_s = window_s
+        self._cv = threading.Condition()
+        self._queue: list[NewEvent] = []
+        self._payloads: list[PayloadPut] = []
+        self._next_seq = next_seq  # next sequence to hand out
+        self._queued_from = next_seq  # sequence of _queue[0]
+        self._durable = next_seq - 1
+        self._error: BaseException | None = None
+        self._closed = False
+        self._waiters: list[tuple[int, asyncio.AbstractEventLoop, asyncio.Future[int]]] = []
+        #: Seconds spent in each committed transaction (for the append-latency metric).
+        self.commit_seconds: list[float] = []
+        self._thread = threading.Thread(
+            target=self._run, name=f"rolloutlog-commit-{run_id}", daemon=True
+        )
+        self._thread.start()
+
+    # ------------------------------------------------------------------ producer side
+    @property
+    def durable_seq(self) -> int:
+        """Newest sequence known to be durable."""
+        return self._durable
+
+    @property
+    def next_seq(self) -> int:
+        """Sequence the next submitted event will get."""
+        return self._next_seq
+
+    def submit(self, batch: Sequence[NewEvent], payload_puts: Sequence[PayloadPut] = ()) -> int:
+        """Queue events (and their payloads) for appending; return the last sequence assigned.
+
+        Payloads are written no later than the first of the events submitted with them,
+        so an event never refers to a payload that is not durable. Events of one call
+        normally share a transaction; a call larger than ``max_batch`` is split.
+        """
+        if payload_puts and not batch:
+            raise ValueError("payloads must be submitted together with the events that use them")
+        with self._cv:
+            self._raise_if_unusable()
+            self._queue.extend(batch)
+            self._payloads.extend(payload_puts)
+            self._next_seq += len(batch)
+            self._cv.notify_all()
+            return self._next_seq - 1
+
+    def flush(self, timeout: float | None = None) -> int:
+        """Block until every event submitted so far is durable; return the durable sequence."""
+        with self._cv:
+            target = self._next_seq - 1
+            self._cv.notify_all()
+            ok = self._cv.wait_for(
+                lambda: self._error is not None or self._durable >= target, timeout=timeout
+            )
+            if self._error is not None:
+                raise GroupCommitClosedError(
+                    f"appending to run {self.run_id!r} failed: {self._error}"
+                ) from self._error
+            if not ok:
+                raise TimeoutError(f"flush of run {self.run_id!r} timed out after {timeout}s")
+            return self._durable
+
+    async def aflush(self) -> int:
+        """Await durability of everything submitted so far without blocking the event loop."""
+        loop = asyncio.get_running_loop()
+        with self._cv:
+            target = self._next_seq - 1
+            if self._error is None and self._durable >= target:
+                return self._durable
+            if self._error is None:
+                fut: asyncio.Future[int] = loop.create_future()
+                self._waiters.append((target, loop, fut))
+                self._cv.notify_all()
+        if self._error is not None:
+            raise GroupCommitClosedError(
+                f"appending to run {self.run_id!r} failed: {self._error}"
+            ) from self._error
+        return await fut
+
+    def close(self, *, flush: bool = True) -> None:
+        """Stop the writer thread, first making everything submitted durable (by default)."""
+        if flush and self._error is None and not self._closed:
+            self.flush()
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join()
+
+    def _raise_if_unusable(self) -> None:
+        if self._error is not None:
+            raise GroupCommitClosedError(
+                f"appending to run {self.run_id!r} failed earlier: {self._error}"
+            ) from self._error
+        if self._closed:
+            raise GroupCommitClosedError(f"the committer of run {self.run_id!r} is closed")
+
+    # ------------------------------------------------------------------ writer thread
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._queue or self._payloads or self._closed)
+                if not self._queue and not self._payloads and self._closed:
+                    return
+                # Let the batch fill for up to one commit window (unless it is full).
+                deadline = time.monotonic() + self.window_s
+                while len(self._queue) < self.max_batch and not self._closed:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cv.wait(left)
+                batch = self._queue[: self.max_batch]
+                del self._queue[: self.max_batch]
+                # Payloads go with the first batch after they were submitted.
+                puts, self._payloads = self._payloads, []
+                first = self._queued_from
+                self._queued_from += len(batch)
+            started = time.perf_counter()
+            try:
+                last = self.store.append(
+                    self.run_id, batch, expected_seq=first, epoch=self.epoch, payload_puts=puts
+                )
+            except BaseException as exc:  # the writer must report every failure
+                self._fail(exc)
+                return
+            self.commit_seconds.append(time.perf_counter() - started)
+            if len(self.commit_seconds) > 10_000:
+                del self.commit_seconds[:5_000]
+            with self._cv:
+                self._durable = max(self._durable, last)
+                ready = [w for w in self._waiters if w[0] <= self._durable]
+                self._waiters = [w for w in self._waiters if w not in ready]
+                self._cv.notify_all()
+            for _, loop, fut in ready:
+                loop.call_soon_threadsafe(_resolve, fut, last)
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._cv:
+            self._error = exc if isinstance(exc, StoreError) else StoreError(repr(exc))
+            if self._error is not exc:
+                self._error.__cause__ = exc
+            waiters, self._waiters = self._waiters, []
+            self._cv.notify_all()
+        err = GroupCommitClosedError(f"appending to run {self.run_id!r} failed: {self._error}")
+        err.__cause__ = self._error
+        for _, loop, fut in waiters:
+            loop.call_soon_threadsafe(_reject, fut, err)
+
+
+def _resolve(fut: asyncio.Future[int], value: int) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _reject(fut: asyncio.Future[int], exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

@@ -1,0 +1,107 @@
+"""Schema creation and verification through alembic (the migrations live in ``migrations/``).
+
+The store refuses a database whose alembic revision is not this code's head, and says
+which command fixes it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import sqlalchemy as sa
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy.engine import Connection, Engine
+
+from .errors import SchemaMismatchError
+
+# The first revision's tables; a database that has them without alembic_version is foreign.
+_OWN_TABLES = {"runs", "events", "payloads", "snapshots"}
+
+
+def migrations_dir() -> Path:
+    """Folder of the alembic environment shipped with rolloutlog."""
+    import migrations
+
+    return Path(migrations.__file__).resolve().parent
+
+
+def alembic_config(connection: Connection | None = None, url: str | None = None) -> Config:
+    """An alembic Config for rolloutlog's migrations, bound to a connection or a URL."""
+    cfg = Config()
+    cfg.set_main_option("script_location", str(migrations_dir()))
+    if url is not None:
+        cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    if connection is not None:
+        cfg.attributes["connection"] = connection
+    return cfg
+
+
+def head_revision() -> str:
+    """The newest migration revision this code knows."""
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    assert head is not None, "rolloutlog ships at least one migration"
+    return head
+
+
+def current_revision(conn: Connection) -> str | None:
+    """The database's alembic revision, or None for a database alembic has not touched."""
+    return MigrationContext.configure(conn).get_current_revision()
+
+
+def upgrade(engine: Engine, revision: str = "head") -> None:
+    """Upgrade the schema to ``revision`` (default: head)."""
+    with engine.begin() as conn:
+        command.upgrade(alembic_config(conn), revision)
+
+
+def downgrade(engine: Engine, revision: str) -> None:
+    """Downgrade the schema to ``revision`` (``base`` removes everything)."""
+    with engine.begin() as conn:
+        command.downgrade(alembic_config(conn), revision)
+
+
+def _fix_hint(engine: Engine) -> str:
+    return f"rolloutlog db upgrade {engine.url.render_as_string(hide_password=True)}"
+
+
+def check(engine: Engine) -> str:
+    """Return the head revision if the database is at it; raise SchemaMismatchError otherwise."""
+    head = head_revision()
+    with engine.connect() as conn:
+        current = current_revision(conn)
+        tables = set(sa.inspect(conn).get_table_names())
+    if current == head:
+        return head
+    where = engine.url.render_as_string(hide_password=True)
+    if current is None:
+        if tables & _OWN_TABLES:
+            raise SchemaMismatchError(
+                f"{where} has rolloutlog-like tables but no alembic revision; "
+                "it was not created by rolloutlog's migrations"
+            )
+        raise SchemaMismatchError(
+            f"{where} has no rolloutlog schema; create it with: {_fix_hint(engine)}"
+        )
+    known = {s.revision for s in ScriptDirectory.from_config(alembic_config()).walk_revisions()}
+    if current not in known:
+        raise SchemaMismatchError(
+            f"{where} is at schema revision {current!r}, which this rolloutlog does not know "
+            f"(its head is {head!r}); it was written by a newer rolloutlog: upgrade rolloutlog"
+        )
+    raise SchemaMismatchError(
+        f"{where} is at schema revision {current!r} but this rolloutlog expects {head!r}; "
+        f"run: {_fix_hint(engine)}"
+    )
+
+
+def ensure_schema(engine: Engine) -> str:
+    """Create the schema on an empty database; otherwise verify it is at head."""
+    with engine.connect() as conn:
+        current = current_revision(conn)
+        tables = set(sa.inspect(conn).get_table_names())
+    if current is None and not (tables & _OWN_TABLES):
+        upgrade(engine)
+    return check(engine)

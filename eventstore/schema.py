@@ -1,0 +1,88 @@
+"""SQLAlchemy Core tables: the single source of truth for the log's schema.
+
+The alembic revisions in ``migrations/`` create exactly these tables; a test compares
+the two. Column names are the ones users see in SQL audit queries.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    DateTime,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    PrimaryKeyConstraint,
+    String,
+    Table,
+    Text,
+)
+
+# Deterministic constraint names so alembic autogenerate/compare agrees across dialects.
+metadata = MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+runs = Table(
+    "runs",
+    metadata,
+    Column("run_id", String(128), primary_key=True),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    Column("config_fingerprint", String(128), nullable=False),
+    Column("config_json", Text, nullable=False),
+    # The epoch of the writer that may append; raising it fences every older writer.
+    Column("current_epoch", Integer, nullable=False),
+    # Sequence of the newest event (0 for an empty run); appends compare-and-set it.
+    Column("last_seq", BigInteger, nullable=False),
+)
+
+events = Table(
+    "events",
+    metadata,
+    Column("run_id", String(128), nullable=False),
+    # Per-run contiguous sequence number: the offset. Starts at 1.
+    Column("seq", BigInteger, nullable=False),
+    Column("epoch", Integer, nullable=False),
+    Column("type", String(64), nullable=False),
+    Column("schema_version", Integer, nullable=False),
+    Column("recorded_at", DateTime(timezone=True), nullable=False),
+    Column("train_step", BigInteger, nullable=True),
+    Column("weight_version", BigInteger, nullable=True),
+    # Denormalised ids for audit lookups (NULL when the event is not about one group).
+    Column("group_id", BigInteger, nullable=True),
+    Column("prompt_index", BigInteger, nullable=True),
+    Column("target_step", BigInteger, nullable=True),
+    Column("payload", Text, nullable=False),
+    PrimaryKeyConstraint("run_id", "seq", name="pk_events"),
+)
+Index("ix_events_run_group", events.c.run_id, events.c.group_id)
+Index("ix_events_run_prompt", events.c.run_id, events.c.prompt_index)
+Index("ix_events_run_train_step", events.c.run_id, events.c.train_step)
+Index("ix_events_run_target_step", events.c.run_id, events.c.target_step)
+
+payloads = Table(
+    "payloads",
+    metadata,
+    Column("run_id", String(128), nullable=False),
+    Column("payload_id", String(64), nullable=False),
+    Column("kind", String(32), nullable=False),
+    Column("data", LargeBinary, nullable=False),
+    PrimaryKeyConstraint("run_id", "payload_id", name="pk_payloads"),
+)
+
+snapshots = Table(
+    "snapshots",
+    metadata,
+    Column("run_id", String(128), nullable=False),
+    Column("seq", BigInteger, nullable=False),
+    Column("schema_version", Integer, nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    Column("data", LargeBinary, nullable=False),
+    PrimaryKeyConstraint("run_id", "seq", name="pk_snapshots"),
+)

@@ -1,0 +1,572 @@
+"""The append-only event log on SQLite (embedded default) or PostgreSQL.
+
+Ordering and fencing come from one compare-and-set per batch on the ``runs`` row:
+``UPDATE runs SET last_seq = new WHERE run_id = r AND last_seq = expected - 1 AND
+current_epoch = epoch``. Zero rows updated means a conflict or a fenced writer, and the
+transaction is rolled back, so no partial batch is ever written. On PostgreSQL that row
+lock also serialises writers of one run, so commits happen in sequence order and a
+reader paging by sequence never skips an event.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from collections.abc import Iterator, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import event as sa_event
+from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.engine.url import URL
+from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, NoSuchModuleError
+
+from . import migrate
+from .errors import (
+    AppendConflictError,
+    EpochFencedError,
+    PayloadNotFoundError,
+    ReadOnlyStoreError,
+    RunExistsError,
+    RunNotFoundError,
+    StoreError,
+    StoreUnavailableError,
+    StoreUrlError,
+)
+from .records import NewEvent, PayloadPut, RunInfo, Snapshot, StoredEvent
+from .schema import events, payloads, runs, snapshots
+
+#: SQLite ``synchronous`` levels accepted in the URL query (``?synchronous=NORMAL``).
+SQLITE_SYNCHRONOUS = ("OFF", "NORMAL", "FULL", "EXTRA")
+#: Default: FULL. In WAL mode FULL syncs the WAL at every commit, so an acknowledged
+#: ``flush()`` survives power loss, not only a process kill. Group commit amortises the
+#: fsync over a batch, which is why the default can afford it. NORMAL is faster and is
+#: still safe against process crashes; it may lose the last commits on power loss.
+DEFAULT_SQLITE_SYNCHRONOUS = "FULL"
+DEFAULT_BUSY_TIMEOUT_MS = 30_000
+
+_COLS = (
+    "run_id, seq, epoch, type, schema_version, recorded_at, train_step, weight_version, "
+    "group_id, prompt_index, target_step, payload"
+)
+
+
+def normalise_url(url: str | URL) -> URL:
+    """Parse a database URL, defaulting PostgreSQL to the psycopg 3 driver.
+
+    Raises :class:`StoreUrlError` for a malformed URL or an unsupported dialect.
+    """
+    try:
+        parsed = make_url(url) if isinstance(url, str) else url
+    except ArgumentError as exc:
+        raise StoreUrlError(
+            f"malformed database URL {url!r}: expected sqlite:///PATH or "
+            "postgresql+psycopg://USER@HOST:PORT/DB"
+        ) from exc
+    backend = parsed.get_backend_name()
+    if backend == "postgresql":
+        if parsed.get_driver_name() not in ("psycopg", "psycopg2"):
+            parsed = parsed.set(drivername="postgresql+psycopg")
+        elif parsed.get_driver_name() == "psycopg2":
+            parsed = parsed.set(drivername="postgresql+psycopg")
+    elif backend == "sqlite":
+        if parsed.get_driver_name() != "pysqlite":
+            parsed = parsed.set(drivername="sqlite")
+        if not parsed.database or parsed.database == ":memory:":
+            raise StoreUrlError(
+                f"SQLite URL {url!s} names no file: rolloutlog needs a file (sqlite:///PATH) "
+                "so the log outlives the process"
+            )
+    else:
+        raise StoreUrlError(
+            f"unsupported database {backend!r} in URL {url!s}: use sqlite:///PATH or "
+            "postgresql+psycopg://..."
+        )
+    return parsed
+
+
+def _iso(ts: datetime) -> str:
+    # SQLAlchemy's SQLite DateTime storage format (UTC, no offset), so Core reads agree.
+    return ts.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
+
+
+def _parse_ts(value: Any) -> datetime:
+    if isinstance(value, datetime):
+        return value.astimezone(UTC) if value.tzinfo else value.replace(tzinfo=UTC)
+    return datetime.fromisoformat(value).replace(tzinfo=UTC)
+
+
+class EventStore:
+    """An append-only, per-run sequenced event log.
+
+    Open with :meth:`open`. All methods are synchronous and thread-safe (each call takes a
+    pooled connection); the asyncio controller reaches the disk through
+    :class:`eventstore.groupcommit.GroupCommitter`, which runs appends on its own thread.
+    """
+
+    def __init__(self, engine: Engine, url: URL, *, readonly: bool = False) -> None:
+        self.engine = engine
+        self.url = url
+        self.readonly = readonly
+        self.dialect: str = url.get_backend_name()
+        self._is_sqlite = self.dialect == "sqlite"
+        # Write transactions carry this option; on SQLite it selects BEGIN IMMEDIATE.
+        self._writer = engine.execution_options(rolloutlog_write=True)
+        mark = "?" if self._is_sqlite else "%s"
+        marks = ", ".join([mark] * 12)
+        self._insert_sql = f"INSERT INTO events ({_COLS}) VALUES ({marks})"
+        self._cas_sql = (
+            f"UPDATE runs SET last_seq = {mark} "
+            f"WHERE run_id = {mark} AND last_seq = {mark} AND current_epoch = {mark}"
+        )
+        self._read_sql = (
+            f"SELECT {_COLS} FROM events WHERE run_id = {mark} AND seq >= {mark} "
+            f"AND seq <= {mark} ORDER BY seq LIMIT {mark}"
+        )
+        if self._is_sqlite:
+            self._payload_sql = (
+                "INSERT OR IGNORE INTO payloads (run_id, payload_id, kind, data) VALUES (?, ?, ?, ?)"
+            )
+        else:
+            self._payload_sql = (
+                "INSERT INTO payloads (run_id, payload_id, kind, data) VALUES (%s, %s, %s, %s) "
+                "ON CONFLICT DO NOTHING"
+            )
+
+    # ------------------------------------------------------------------ opening
+    @classmethod
+    def open(
+        cls,
+        url: str | URL,
+        *,
+        create: bool = True,
+        readonly: bool = False,
+        check_schema: bool = True,
+    ) -> EventStore:
+        """Open the log at ``url``.
+
+        ``create``: an empty database gets the schema (alembic upgrade to head).
+        ``check_schema``: a database at another migration head is refused with
+        :class:`SchemaMismatchError`, which names the command that fixes it.
+        ``readonly``: open without write access (SQLite opens the file read-only).
+        """
+        parsed = normalise_url(url)
+        engine = _make_engine(parsed, readonly=readonly)
+        store = cls(engine, parsed, readonly=readonly)
+        try:
+            with store._translate_errors("opening the database"):
+                with engine.connect() as conn:
+                    conn.exec_driver_sql("SELECT 1")
+            if check_schema:
+                if create and not readonly:
+                    with store._translate_errors("creating the schema"):
+                        migrate.ensure_schema(engine)
+                else:
+                    with store._translate_errors("checking the schema"):
+                        migrate.check(engine)
+        except BaseException:
+            engine.dispose()
+            raise
+        return store
+
+    def close(self) -> None:
+        """Release every pooled connection."""
+        self.engine.dispose()
+
+    def __enter__(self) -> EventStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ runs
+    def create_run(
+        self,
+        run_id: str,
+        *,
+        config_fingerprint: str = "",
+        config_json: str = "{}",
+        epoch: int = 1,
+    ) -> RunInfo:
+        """Register a new, empty run at ``epoch``. An existing id raises :class:`RunExistsError`."""
+        if not run_id or len(run_id) > 128:
+            raise StoreError(f"run id must be 1..128 characters, got {run_id!r}")
+        now = datetime.now(UTC)
+        try:
+            with self._translate_errors(f"creating run {run_id!r}"), self._writer.begin() as conn:
+                conn.execute(
+                    runs.insert().values(
+                        run_id=run_id,
+                        created_at=now,
+                        config_fingerprint=config_fingerprint,
+                        config_json=config_json,
+                        current_epoch=epoch,
+                        last_seq=0,
+                    )
+                )
+        except IntegrityError as exc:
+            raise RunExistsError(f"run {run_id!r} already exists") from exc
+        return self.get_run(run_id)
+
+    def get_run(self, run_id: str) -> RunInfo:
+        """The run's row; :class:`RunNotFoundError` when absent."""
+        with self._translate_errors(f"reading run {run_id!r}"), self.engine.connect() as conn:
+            row = conn.execute(sa.select(runs).where(runs.c.run_id == run_id)).first()
+        if row is None:
+            raise RunNotFoundError(f"no run {run_id!r} in {self.url.render_as_string()}")
+        return RunInfo(
+            run_id=row.run_id,
+            created_at=_parse_ts(row.created_at),
+            config_fingerprint=row.config_fingerprint,
+            config_json=row.config_json,
+            current_epoch=row.current_epoch,
+            last_seq=row.last_seq,
+        )
+
+    def list_runs(self) -> list[RunInfo]:
+        """Every run, oldest first."""
+        with self._translate_errors("listing runs"), self.engine.connect() as conn:
+            rows = conn.execute(sa.select(runs.c.run_id).order_by(runs.c.created_at)).all()
+        return [self.get_run(r.run_id) for r in rows]
+
+    def open_epoch(self, run_id: str, *, expected_epoch: int | None = None) -> int:
+        """Raise the run's epoch by one and return it; every writer of an older epoch is fenced.
+
+        With ``expected_epoch``, fail with :class:`EpochFencedError` if someone else already
+        moved the epoch (two restores racing: exactly one wins).
+        """
+        with self._translate_errors(f"opening a new epoch of run {run_id!r}"):
+            with self._writer.begin() as conn:
+                row = conn.execute(
+                    sa.select(runs.c.current_epoch)
+                    .where(runs.c.run_id == run_id)
+                    .with_for_update()
+                ).first()
+                if row is None:
+                    raise RunNotFoundError(f"no run {run_id!r}")
+                current = row.current_epoch
+                if expected_epoch is not None and current != expected_epoch:
+                    raise EpochFencedError(run_id, expected_epoch, current)
+                res = conn.execute(
+                    runs.update()
+                    .where(runs.c.run_id == run_id, runs.c.current_epoch == current)
+                    .values(current_epoch=current + 1)
+                )
+                if res.rowcount != 1:
+                    raise EpochFencedError(run_id, current, self.get_run(run_id).current_epoch)
+        return current + 1
+
+    # ------------------------------------------------------------------ append
+    def append(
+        self,
+        run_id: str,
+        batch: Sequence[NewEvent],
+        *,
+        expected_seq: int,
+        epoch: int,
+        payload_puts: Sequence[PayloadPut] = (),
+    ) -> int:
+        """Append ``batch`` atomically as sequences ``expected_seq ..``; return the last one.
+
+        Raises :class:`AppendConflictError` when ``expected_seq`` is not the log's next
+        sequence and :class:`EpochFencedError` when ``epoch`` is not the run's current
+        epoch. Either way nothing is written. ``payload_puts`` are stored in the same
+        transaction (idempotently, by payload id).
+        """
+        if not batch and not payload_puts:
+            return expected_seq - 1
+        if expected_seq < 1:
+            raise StoreError(f"expected_seq must be >= 1, got {expected_seq}")
+        last = expected_seq + len(batch) - 1
+        iso = _iso if self._is_sqlite else (lambda ts: ts)
+        rows = [
+            (
+                run_id,
+                expected_seq + i,
+                epoch,
+                ev.type,
+                ev.schema_version,
+                iso(ev.recorded_at),
+                ev.train_step,
+                ev.weight_version,
+                ev.group_id,
+                ev.prompt_index,
+                ev.target_step,
+                ev.payload,
+            )
+            for i, ev in enumerate(batch)
+        ]
+        with self._translate_errors(f"appending to run {run_id!r}"):
+            with self._writer.begin() as conn:
+                if batch:
+                    res = conn.exec_driver_sql(
+                        self._cas_sql, (last, run_id, expected_seq - 1, epoch)
+                    )
+                    if res.rowcount != 1:
+                        self._raise_append_refusal(conn, run_id, expected_seq, epoch)
+                else:
+                    # A payload-only put still has to respect fencing.
+                    self._check_epoch(conn, run_id, epoch)
+                if payload_puts:
+                    conn.exec_driver_sql(
+                        self._payload_sql,
+                        [(run_id, p.payload_id, p.kind, p.data) for p in payload_puts],
+                    )
+                if rows:
+                    conn.exec_driver_sql(self._insert_sql, rows)
+        return last
+
+    def _check_epoch(self, conn: Connection, run_id: str, epoch: int) -> None:
+        row = conn.execute(
+            sa.select(runs.c.current_epoch).where(runs.c.run_id == run_id)
+        ).first()
+        if row is None:
+            raise RunNotFoundError(f"no run {run_id!r}")
+        if row.current_epoch != epoch:
+            raise EpochFencedError(run_id, epoch, row.current_epoch)
+
+    def _raise_append_refusal(
+        self, conn: Connection, run_id: str, expected_seq: int, epoch: int
+    ) -> None:
+        row = conn.execute(
+            sa.select(runs.c.current_epoch, runs.c.last_seq).where(runs.c.run_id == run_id)
+        ).first()
+        if row is None:
+            raise RunNotFoundError(f"no run {run_id!r}: create it before appending")
+        if row.current_epoch != epoch:
+            raise EpochFencedError(run_id, epoch, row.current_epoch)
+        raise AppendConflictError(run_id, expected_seq, row.last_seq + 1)
+
+    # ------------------------------------------------------------------ read
+    def last_seq(self, run_id: str) -> int:
+        """Sequence of the newest event of the run (0 when empty)."""
+        return self.get_run(run_id).last_seq
+
+    def read(
+        self,
+        run_id: str,
+        from_seq: int = 1,
+        to_seq: int | None = None,
+        *,
+        page_size: int = 2000,
+    ) -> Iterator[StoredEvent]:
+        """Stream events ``from_seq..to_seq`` (inclusive) in order, ``page_size`` rows at a time.
+
+        Memory stays bounded by the page size; each page is a short read, so a long
+        replay never holds a transaction open against the writer.
+        """
+        upper = to_seq if to_seq is not None else 2**62
+        nxt = max(1, from_seq)
+        while nxt <= upper:
+            with self._translate_errors(f"reading run {run_id!r}"):
+                with self.engine.connect() as conn:
+                    rows = conn.exec_driver_sql(
+                        self._read_sql, (run_id, nxt, upper, page_size)
+                    ).fetchall()
+            if not rows:
+                return
+            for r in rows:
+                yield StoredEvent(
+                    r[0], r[1], r[2], r[3], r[4], r[11], _parse_ts(r[5]), r[6], r[7], r[8],
+                    r[9], r[10],
+                )  # fmt: skip
+            if len(rows) < page_size:
+                return
+            nxt = rows[-1][1] + 1
+
+    def read_where(
+        self,
+        run_id: str,
+        *,
+        group_id: int | None = None,
+        prompt_index: int | None = None,
+        train_step: int | None = None,
+        target_step: int | None = None,
+    ) -> list[StoredEvent]:
+        """Events of one group / prompt / step, through the audit indexes, in order."""
+        conds = [events.c.run_id == run_id]
+        for col, val in (
+            (events.c.group_id, group_id),
+            (events.c.prompt_index, prompt_index),
+            (events.c.train_step, train_step),
+            (events.c.target_step, target_step),
+        ):
+            if val is not None:
+                conds.append(col == val)
+        with self._translate_errors(f"querying run {run_id!r}"), self.engine.connect() as conn:
+            rows = conn.execute(sa.select(events).where(*conds).order_by(events.c.seq)).all()
+        return [
+            StoredEvent(
+                r.run_id, r.seq, r.epoch, r.type, r.schema_version, r.payload,
+                _parse_ts(r.recorded_at), r.train_step, r.weight_version, r.group_id,
+                r.prompt_index, r.target_step,
+            )  # fmt: skip
+            for r in rows
+        ]
+
+    # ------------------------------------------------------------------ snapshots
+    def save_snapshot(self, run_id: str, seq: int, schema_version: int, data: bytes) -> None:
+        """Store a state blob that covers events ``1..seq`` (replaces one at the same seq)."""
+        with self._translate_errors(f"saving a snapshot of run {run_id!r}"):
+            with self._writer.begin() as conn:
+                conn.execute(
+                    snapshots.delete().where(snapshots.c.run_id == run_id, snapshots.c.seq == seq)
+                )
+                conn.execute(
+                    snapshots.insert().values(
+                        run_id=run_id,
+                        seq=seq,
+                        schema_version=schema_version,
+                        created_at=datetime.now(UTC),
+                        data=data,
+                    )
+                )
+
+    def load_snapshot(self, run_id: str, at_or_before: int | None = None) -> Snapshot | None:
+        """The newest snapshot with ``seq <= at_or_before`` (any, when None), or None."""
+        q = sa.select(snapshots).where(snapshots.c.run_id == run_id)
+        if at_or_before is not None:
+            q = q.where(snapshots.c.seq <= at_or_before)
+        q = q.order_by(snapshots.c.seq.desc()).limit(1)
+        with self._translate_errors(f"loading a snapshot of run {run_id!r}"):
+            with self.engine.connect() as conn:
+                row = conn.execute(q).first()
+        if row is None:
+            return None
+        return Snapshot(
+            row.run_id, row.seq, row.schema_version, _parse_ts(row.created_at), bytes(row.data)
+        )
+
+    # ------------------------------------------------------------------ payloads
+    def put_payload(self, run_id: str, payload_id: str, kind: str, data: bytes) -> None:
+        """Store a binary payload outside any event batch (idempotent by id)."""
+        with self._translate_errors(f"storing payload {payload_id!r}"):
+            with self._writer.begin() as conn:
+                conn.exec_driver_sql(self._payload_sql, [(run_id, payload_id, kind, data)])
+
+    def get_payload(self, run_id: str, payload_id: str) -> bytes:
+        """A payload's bytes; :class:`PayloadNotFoundError` when absent."""
+        with self._translate_errors(f"reading payload {payload_id!r}"):
+            with self.engine.connect() as conn:
+                row = conn.execute(
+                    sa.select(payloads.c.data).where(
+                        payloads.c.run_id == run_id, payloads.c.payload_id == payload_id
+                    )
+                ).first()
+        if row is None:
+            raise PayloadNotFoundError(f"no payload {payload_id!r} in run {run_id!r}")
+        return bytes(row.data)
+
+    # ------------------------------------------------------------------ errors
+    def _translate_errors(self, doing: str) -> _ErrorTranslator:
+        return _ErrorTranslator(self, doing)
+
+
+class _ErrorTranslator:
+    """Turns driver errors into the store's error hierarchy, naming what was being done."""
+
+    def __init__(self, store: EventStore, doing: str) -> None:
+        self.store = store
+        self.doing = doing
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> bool:
+        if exc is None or isinstance(exc, StoreError | IntegrityError):
+            return False
+        where = self.store.url.render_as_string(hide_password=True)
+        if isinstance(exc, DBAPIError):
+            msg = str(exc.orig) if exc.orig is not None else str(exc)
+            low = msg.lower()
+            if "readonly" in low or "read-only" in low or "read only" in low:
+                raise ReadOnlyStoreError(
+                    f"{where} is read-only while {self.doing}: {msg.strip()}"
+                ) from exc
+            if isinstance(exc.orig, sqlite3.DatabaseError) and (
+                "not a database" in low or "malformed" in low or "disk image" in low
+            ):
+                raise StoreUnavailableError(
+                    f"{where} is not a valid SQLite database (corrupt or truncated file) "
+                    f"while {self.doing}: {msg.strip()}"
+                ) from exc
+            if exc.connection_invalidated or isinstance(exc, sa.exc.OperationalError):
+                raise StoreUnavailableError(
+                    f"cannot reach {where} while {self.doing}: {msg.strip()}"
+                ) from exc
+            raise StoreError(f"database error on {where} while {self.doing}: {msg.strip()}") from exc
+        return False
+
+
+def _make_engine(url: URL, *, readonly: bool) -> Engine:
+    if url.get_backend_name() == "sqlite":
+        return _make_sqlite_engine(url, readonly=readonly)
+    try:
+        connect_args: dict[str, Any] = {"connect_timeout": 10}
+        if readonly:
+            connect_args["options"] = "-c default_transaction_read_only=on"
+        return sa.create_engine(
+            url, pool_pre_ping=True, connect_args=connect_args, pool_size=8, max_overflow=8
+        )
+    except (NoSuchModuleError, ImportError) as exc:
+        raise StoreUrlError(
+            f"the PostgreSQL driver is missing for {url.render_as_string()}: "
+            "pip install 'rolloutlog[postgres]' (psycopg 3)"
+        ) from exc
+
+
+def _make_sqlite_engine(url: URL, *, readonly: bool) -> Engine:
+    query = dict(url.query)
+    sync = str(query.pop("synchronous", DEFAULT_SQLITE_SYNCHRONOUS)).upper()
+    if sync not in SQLITE_SYNCHRONOUS:
+        raise StoreUrlError(
+            f"synchronous={sync!r} in {url!s}: choose one of {', '.join(SQLITE_SYNCHRONOUS)}"
+        )
+    busy_ms = int(query.pop("busy_timeout_ms", DEFAULT_BUSY_TIMEOUT_MS))
+    if query:
+        raise StoreUrlError(f"unknown SQLite URL options {sorted(query)} in {url!s}")
+    path = Path(url.database or "")
+    if not path.parent.exists():
+        raise StoreUnavailableError(
+            f"cannot open {path}: directory {path.parent} does not exist"
+        )
+    if path.exists() and not readonly and not os.access(path, os.W_OK):
+        raise ReadOnlyStoreError(
+            f"{path} is read-only: make it writable, or open it read-only "
+            "(readonly=True / --readonly) to read and audit"
+        )
+    if readonly and not path.exists():
+        raise StoreUnavailableError(f"cannot open {path} read-only: the file does not exist")
+    db_arg = f"file:{path}?mode=ro" if readonly else str(path)
+
+    def creator() -> sqlite3.Connection:
+        # isolation_level=None: we issue BEGIN ourselves (via SQLAlchemy's events below),
+        # so BEGIN IMMEDIATE takes the write lock up front and busy_timeout applies.
+        return sqlite3.connect(
+            db_arg, uri=readonly, check_same_thread=False, isolation_level=None,
+            timeout=busy_ms / 1000,
+        )  # fmt: skip
+
+    engine = sa.create_engine(f"sqlite:///{path}", creator=creator)
+
+    @sa_event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: sqlite3.Connection, _rec: object) -> None:
+        cur = dbapi_conn.cursor()
+        cur.execute(f"PRAGMA busy_timeout = {busy_ms}")
+        if not readonly:
+            mode = cur.execute("PRAGMA journal_mode = WAL").fetchone()
+            if mode and str(mode[0]).lower() != "wal":
+                raise StoreUnavailableError(f"cannot switch {path} to WAL mode (got {mode[0]})")
+        cur.execute(f"PRAGMA synchronous = {sync}")
+        cur.close()
+
+    @sa_event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        # Writers take the write lock up front (BEGIN IMMEDIATE), so busy_timeout applies
+        # and a read-then-write transaction can never fail with a stale-snapshot BUSY.
+        immediate = conn.get_execution_options().get("rolloutlog_write", False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+    return engine

@@ -1,0 +1,1 @@
+"""Alembic environment and revisions for rolloutlog's log schema (SQLite and PostgreSQL)."""

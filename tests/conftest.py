@@ -1,0 +1,76 @@
+"""Shared fixtures: a fresh SQLite file and a fresh PostgreSQL database per test session.
+
+PostgreSQL: ``ROLLOUTLOG_TEST_PG_URL`` (default: the local server, database ``test``).
+Each session creates its own scratch database on that server and drops it at the end.
+In CI (``CI`` set) an unreachable PostgreSQL fails the run; elsewhere those tests skip
+with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+PG_URL = os.environ.get(
+    "ROLLOUTLOG_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
+
+
+def _pg_unavailable(reason: str) -> None:
+    if IN_CI:
+        pytest.fail(f"PostgreSQL is required in CI but unavailable: {reason}", pytrace=False)
+    pytest.skip(f"PostgreSQL unavailable ({reason}); set ROLLOUTLOG_TEST_PG_URL to test it")
+
+
+@pytest.fixture(scope="session")
+def pg_server_url() -> Iterator[str]:
+    """URL of a scratch database created for this session on the test PostgreSQL."""
+    try:
+        admin = sa.create_engine(
+            PG_URL, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 5}
+        )
+        with admin.connect() as conn:
+            conn.exec_driver_sql("SELECT 1")
+    except Exception as exc:  # any driver or connection failure means "unavailable"
+        _pg_unavailable(f"{type(exc).__name__}: {exc}".splitlines()[0])
+    name = f"rolloutlog_t_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    url = sa.engine.make_url(PG_URL).set(database=name).render_as_string(hide_password=False)
+    try:
+        yield url
+    finally:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
+
+
+@pytest.fixture
+def pg_url(pg_server_url: str) -> Iterator[str]:
+    """A PostgreSQL URL whose schema is empty at the start of the test."""
+    engine = sa.create_engine(pg_server_url, isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        conn.exec_driver_sql("DROP SCHEMA public CASCADE")
+        conn.exec_driver_sql("CREATE SCHEMA public")
+    engine.dispose()
+    yield pg_server_url
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    """A URL of a new SQLite file in the test's temporary folder."""
+    return f"sqlite:///{tmp_path / 'log.db'}"
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Each test using this runs once on a SQLite file and once on PostgreSQL."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'log.db'}"
+    return request.getfixturevalue("pg_url")
