@@ -18,7 +18,7 @@ from sqlalchemy.engine import Connection, Engine
 from .errors import SchemaMismatchError
 
 # The first revision's tables; a database that has them without alembic_version is foreign.
-_OWN_TABLES = {"runs", "events", "payloads", "snapshots"}
+_OWN_TABLES = {"runs", "events", "epochs", "payloads", "snapshots"}
 
 
 def migrations_dir() -> Path:

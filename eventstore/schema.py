@@ -66,6 +66,20 @@ Index("ix_events_run_prompt", events.c.run_id, events.c.prompt_index)
 Index("ix_events_run_train_step", events.c.run_id, events.c.train_step)
 Index("ix_events_run_target_step", events.c.run_id, events.c.target_step)
 
+epochs = Table(
+    "epochs",
+    metadata,
+    Column("run_id", String(128), nullable=False),
+    Column("epoch", Integer, nullable=False),
+    Column("opened_at", DateTime(timezone=True), nullable=False),
+    # The offset this epoch's history continues from: events after it that were written
+    # by older epochs are abandoned (a restore to a checkpoint), not part of the history.
+    Column("resume_seq", BigInteger, nullable=False),
+    # First sequence number written by this epoch (last_seq + 1 when it was opened).
+    Column("first_seq", BigInteger, nullable=False),
+    PrimaryKeyConstraint("run_id", "epoch", name="pk_epochs"),
+)
+
 payloads = Table(
     "payloads",
     metadata,

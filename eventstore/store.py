@@ -36,7 +36,7 @@ from .errors import (
     StoreUrlError,
 )
 from .records import NewEvent, PayloadPut, RunInfo, Snapshot, StoredEvent
-from .schema import events, payloads, runs, snapshots
+from .schema import epochs, events, payloads, runs, snapshots
 
 #: SQLite ``synchronous`` levels accepted in the URL query (``?synchronous=NORMAL``).
 SQLITE_SYNCHRONOUS = ("OFF", "NORMAL", "FULL", "EXTRA")
@@ -206,6 +206,11 @@ class EventStore:
                         last_seq=0,
                     )
                 )
+                conn.execute(
+                    epochs.insert().values(
+                        run_id=run_id, epoch=epoch, opened_at=now, resume_seq=0, first_seq=1
+                    )
+                )
         except IntegrityError as exc:
             raise RunExistsError(f"run {run_id!r} already exists") from exc
         return self.get_run(run_id)
@@ -231,24 +236,39 @@ class EventStore:
             rows = conn.execute(sa.select(runs.c.run_id).order_by(runs.c.created_at)).all()
         return [self.get_run(r.run_id) for r in rows]
 
-    def open_epoch(self, run_id: str, *, expected_epoch: int | None = None) -> int:
+    def open_epoch(
+        self,
+        run_id: str,
+        *,
+        expected_epoch: int | None = None,
+        resume_seq: int | None = None,
+    ) -> int:
         """Raise the run's epoch by one and return it; every writer of an older epoch is fenced.
 
+        ``resume_seq`` (default: the newest event) is the offset the new epoch's history
+        continues from: events after it written by older epochs stay in the log for audit
+        and salvage but leave the history (see :meth:`history_segments`).
         With ``expected_epoch``, fail with :class:`EpochFencedError` if someone else already
         moved the epoch (two restores racing: exactly one wins).
         """
         with self._translate_errors(f"opening a new epoch of run {run_id!r}"):
             with self._writer.begin() as conn:
                 row = conn.execute(
-                    sa.select(runs.c.current_epoch)
+                    sa.select(runs.c.current_epoch, runs.c.last_seq)
                     .where(runs.c.run_id == run_id)
                     .with_for_update()
                 ).first()
                 if row is None:
                     raise RunNotFoundError(f"no run {run_id!r}")
-                current = row.current_epoch
+                current, last = row.current_epoch, row.last_seq
                 if expected_epoch is not None and current != expected_epoch:
                     raise EpochFencedError(run_id, expected_epoch, current)
+                resume = last if resume_seq is None else resume_seq
+                if not 0 <= resume <= last:
+                    raise StoreError(
+                        f"cannot resume run {run_id!r} from offset {resume}: "
+                        f"the log holds offsets 1..{last}"
+                    )
                 res = conn.execute(
                     runs.update()
                     .where(runs.c.run_id == run_id, runs.c.current_epoch == current)
@@ -256,7 +276,71 @@ class EventStore:
                 )
                 if res.rowcount != 1:
                     raise EpochFencedError(run_id, current, self.get_run(run_id).current_epoch)
+                conn.execute(
+                    epochs.insert().values(
+                        run_id=run_id,
+                        epoch=current + 1,
+                        opened_at=datetime.now(UTC),
+                        resume_seq=resume,
+                        first_seq=last + 1,
+                    )
+                )
         return current + 1
+
+    def history_segments(self, run_id: str, to_seq: int | None = None) -> list[tuple[int, int]]:
+        """The run's history as inclusive ``(first, last)`` offset ranges, oldest first.
+
+        Without ``to_seq``: the history of the current epoch, up to the newest event.
+        With ``to_seq``: the history that led to offset ``to_seq`` (the prefix a restore
+        to that offset replays). Ranges written by epochs that a restore abandoned are
+        left out.
+        """
+        with self._translate_errors(f"reading the epochs of run {run_id!r}"):
+            with self.engine.connect() as conn:
+                rows = conn.execute(
+                    sa.select(epochs.c.epoch, epochs.c.resume_seq, epochs.c.first_seq)
+                    .where(epochs.c.run_id == run_id)
+                    .order_by(epochs.c.epoch)
+                ).all()
+                last = conn.execute(
+                    sa.select(runs.c.last_seq).where(runs.c.run_id == run_id)
+                ).scalar_one_or_none()
+        if last is None:
+            raise RunNotFoundError(f"no run {run_id!r}")
+        spans = [(r.epoch, r.first_seq, r.resume_seq) for r in rows]
+        # Each epoch wrote offsets first_seq .. (next epoch's first_seq - 1).
+        writes = [
+            (first, (spans[i + 1][1] - 1) if i + 1 < len(spans) else last, resume)
+            for i, (_e, first, resume) in enumerate(spans)
+        ]
+        target = last if to_seq is None else to_seq
+        if not 0 <= target <= last:
+            raise StoreError(f"offset {target} is outside run {run_id!r} (1..{last})")
+        segments: list[tuple[int, int]] = []
+        upto = target
+        # Walk back: find the epoch that wrote `upto`, take its range, jump to its resume.
+        for first, end, resume in reversed(writes):
+            if upto < first:
+                continue
+            if upto > end:
+                # `upto` lies in a range written later than this epoch; cannot happen
+                # because we walk epochs newest first and stop at the writer.
+                continue
+            segments.append((first, upto))
+            upto = resume
+            if upto == 0:
+                break
+        segments.reverse()
+        return [(a, b) for a, b in segments if a <= b]
+
+    def read_history(
+        self, run_id: str, to_seq: int | None = None, *, from_seq: int = 1
+    ) -> Iterator[StoredEvent]:
+        """Stream the history (see :meth:`history_segments`) from ``from_seq`` on, in order."""
+        for first, last in self.history_segments(run_id, to_seq):
+            if last < from_seq:
+                continue
+            yield from self.read(run_id, max(first, from_seq), last)
 
     # ------------------------------------------------------------------ append
     def append(

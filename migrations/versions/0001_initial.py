@@ -1,4 +1,4 @@
-"""The log: runs, events, payloads, snapshots.
+"""The log: runs, events, epochs, payloads, snapshots.
 
 Revision ID: 0001_initial
 Revises:
@@ -49,6 +49,15 @@ def upgrade() -> None:
     op.create_index("ix_events_run_train_step", "events", ["run_id", "train_step"])
     op.create_index("ix_events_run_target_step", "events", ["run_id", "target_step"])
     op.create_table(
+        "epochs",
+        sa.Column("run_id", sa.String(128), nullable=False),
+        sa.Column("epoch", sa.Integer(), nullable=False),
+        sa.Column("opened_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("resume_seq", sa.BigInteger(), nullable=False),
+        sa.Column("first_seq", sa.BigInteger(), nullable=False),
+        sa.PrimaryKeyConstraint("run_id", "epoch", name="pk_epochs"),
+    )
+    op.create_table(
         "payloads",
         sa.Column("run_id", sa.String(128), nullable=False),
         sa.Column("payload_id", sa.String(64), nullable=False),
@@ -71,6 +80,7 @@ def downgrade() -> None:
     """Drop everything the upgrade created."""
     op.drop_table("snapshots")
     op.drop_table("payloads")
+    op.drop_table("epochs")
     op.drop_index("ix_events_run_target_step", table_name="events")
     op.drop_index("ix_events_run_train_step", table_name="events")
     op.drop_index("ix_events_run_prompt", table_name="events")
