@@ -135,7 +135,15 @@ class EventCodec:
                         row.type,
                         f"no upcaster from schema version {version} to {version + 1}",
                     )
-                data = step(data)
+                try:
+                    data = step(data)
+                except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+                    # An old row the upcaster cannot read is a corrupt row: name its offset.
+                    raise CorruptEventError(
+                        row.seq,
+                        row.type,
+                        f"upcasting from schema version {version} failed: {exc!r}",
+                    ) from exc
             return cls.model_validate(data)
         except ValidationError as exc:
             first = exc.errors()[0]

@@ -31,6 +31,9 @@ def encode_arrays(arrays: Mapping[str, np.ndarray | Sequence[int] | Sequence[flo
         if arr.ndim != 1:
             raise ValueError(f"array {name!r} must be 1-D, got shape {arr.shape}")
         if arr.dtype.kind in "iu":
+            if arr.size and arr.max() >= 2**63:
+                # astype("<i8") would wrap these silently to negative numbers.
+                raise ValueError(f"array {name!r} has values beyond the int64 range")
             if arr.size and (arr.min() < -(2**31) or arr.max() >= 2**31):
                 arr = arr.astype("<i8")
             else:

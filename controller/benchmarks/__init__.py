@@ -1,0 +1,1 @@
+"""Benchmarks behind ``rolloutlog bench``: each measures its baselines in the same run."""

@@ -1,0 +1,786 @@
+"""``rolloutlog bench store``: the event store against raw ``sqlite3`` and ``eventsourcing``.
+
+One run writes the SAME logical events (a rollout-shaped mix of sibling dispatches and
+completions, ~150-byte JSON payloads, audit ids) through each system into its own
+SQLite file in WAL mode with rolloutlog's ``synchronous`` level, in batches of the same
+size, then reads every event back and decodes it:
+
+* ``raw_sqlite3``: the floor. ``json`` text built from plain dicts, ``executemany`` into
+  a table with rolloutlog's exact DDL (same columns and indexes), one transaction per
+  batch; read back with one plain ``SELECT`` and ``json.loads``.
+* ``eventsourcing``: the peer library's SQLite recorders (the aggregate recorder, which
+  uses ``executemany`` like rolloutlog, and the application recorder that an
+  ``eventsourcing.Application`` uses by default), with typed frozen-dataclass domain
+  events serialised and deserialised by its ``Mapper`` + ``JSONTranscoder`` (the
+  transcodings an ``Application`` registers), read back page by page with
+  ``select_events``.
+* ``rolloutlog``: typed pydantic events through the public API: ``EventCodec.encode``
+  then ``EventStore.append`` per batch (and, separately, through ``GroupCommitter``);
+  read back with ``EventStore.read`` and ``EventCodec.decode``.
+
+Both typed systems start from already-built event objects (the controller's ``decide``
+produces them anyway); the timed work is serialise + write, and read + deserialise.
+Every system's read-back is checked: the count, and the first and last events against
+what was written.
+
+The scale mode measures the append rate of the last ``window`` appends into a log that
+already holds N events, for several N (the issue's target: 10M within 20% of 100k).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import shutil
+import sqlite3
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from importlib import metadata as importlib_metadata
+from pathlib import Path
+from typing import Any, ClassVar
+
+from sqlalchemy.dialects import sqlite as sqlite_dialect
+from sqlalchemy.schema import CreateIndex, CreateTable
+
+from eventstore import AuditKeys, EventCodec, EventModel, EventStore, GroupCommitter
+from eventstore.schema import events as events_table
+from eventstore.store import DEFAULT_SQLITE_SYNCHRONOUS
+
+#: The issue's targets for the ratios (rolloutlog ÷ baseline, events per second).
+TARGETS: dict[str, float] = {
+    "append_vs_raw": 0.6,
+    "append_vs_eventsourcing": 3.0,
+    "read_vs_eventsourcing": 2.0,
+}
+#: Scale target: the append rate at the largest size is at least this share of the smallest's.
+SCALE_TARGET = 0.8
+
+RUN_ID = "bench-run"
+SIBLINGS_PER_GROUP = 16
+GROUPS_PER_STEP = 64
+_T0 = datetime(2026, 1, 1, tzinfo=UTC)
+_SQLITE_TS = "%Y-%m-%d %H:%M:%S.%f"  # how rolloutlog stores timestamps on SQLite
+_ProgressFn = Callable[[str], None]
+
+
+class BenchmarkError(RuntimeError):
+    """A system read back something other than what was written."""
+
+
+# ---------------------------------------------------------------------------- workload
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """One logical event of the workload, from which every system builds its own object."""
+
+    completed: bool
+    group_id: int
+    prompt_index: int
+    target_step: int
+    train_step: int
+    weight_version: int
+    sibling: int
+    attempt: int
+    recorded_at: datetime
+    prompt_tokens: int
+    completion_tokens: int
+    reward: float
+
+
+def spec(i: int) -> Spec:
+    """Event ``i`` (0-based) of the workload: each sibling is dispatched, then completes.
+
+    16 siblings per group, 64 groups per step; ids grow with the log as they do in a run.
+    """
+    sibling_seq = i // 2
+    group = sibling_seq // SIBLINGS_PER_GROUP
+    step = group // GROUPS_PER_STEP
+    train = max(step - 1, 0)
+    mix = (i * 2654435761) % 4093
+    return Spec(
+        completed=bool(i % 2),
+        group_id=group,
+        prompt_index=group,
+        target_step=step,
+        train_step=train,
+        weight_version=train,
+        sibling=sibling_seq % SIBLINGS_PER_GROUP,
+        attempt=2 if mix % 97 == 0 else 1,
+        recorded_at=_T0 + timedelta(microseconds=250 * i),
+        prompt_tokens=64 + mix % 448,
+        completion_tokens=16 + (mix * 7) % 2032,
+        reward=round((mix % 1000) / 1000, 3),
+    )
+
+
+def payload_dict(s: Spec) -> dict[str, Any]:
+    """The event's payload as a plain dict (key order = the typed models' field order)."""
+    d: dict[str, Any] = {
+        "group_id": s.group_id,
+        "prompt_index": s.prompt_index,
+        "target_step": s.target_step,
+        "sibling": s.sibling,
+        "attempt": s.attempt,
+        "weight_version": s.weight_version,
+    }
+    if s.completed:
+        d["prompt_tokens"] = s.prompt_tokens
+        d["completion_tokens"] = s.completion_tokens
+        d["reward"] = s.reward
+        d["finish_reason"] = "length" if s.completion_tokens > 2000 else "stop"
+        d["payload_id"] = f"tok-{s.group_id:08d}-{s.sibling:02d}-{s.attempt}"
+    else:
+        d["engine"] = f"vllm-{s.sibling % 8}"
+    return d
+
+
+class BenchSiblingDispatched(EventModel):
+    """rolloutlog's typed event for a dispatch (pydantic)."""
+
+    event_type: ClassVar[str] = "BenchSiblingDispatched"
+    schema_version: ClassVar[int] = 1
+
+    group_id: int
+    prompt_index: int
+    target_step: int
+    sibling: int
+    attempt: int
+    weight_version: int
+    engine: str
+
+    def audit_keys(self) -> AuditKeys:
+        """Group, prompt and target step go to the indexed audit columns."""
+        return AuditKeys(self.group_id, self.prompt_index, self.target_step)
+
+
+class BenchSiblingCompleted(EventModel):
+    """rolloutlog's typed event for a completion (pydantic)."""
+
+    event_type: ClassVar[str] = "BenchSiblingCompleted"
+    schema_version: ClassVar[int] = 1
+
+    group_id: int
+    prompt_index: int
+    target_step: int
+    sibling: int
+    attempt: int
+    weight_version: int
+    prompt_tokens: int
+    completion_tokens: int
+    reward: float
+    finish_reason: str
+    payload_id: str
+
+    def audit_keys(self) -> AuditKeys:
+        """Group, prompt and target step go to the indexed audit columns."""
+        return AuditKeys(self.group_id, self.prompt_index, self.target_step)
+
+
+def make_codec() -> EventCodec:
+    """A codec with the two benchmark event types registered."""
+    codec = EventCodec()
+    codec.register(BenchSiblingDispatched)
+    codec.register(BenchSiblingCompleted)
+    return codec
+
+
+def rolloutlog_event(s: Spec) -> EventModel:
+    """The typed rolloutlog event for ``s``."""
+    cls = BenchSiblingCompleted if s.completed else BenchSiblingDispatched
+    return cls(**payload_dict(s))
+
+
+def eventsourcing_event(s: Spec, originator_id: uuid.UUID, version: int) -> Any:
+    """The typed eventsourcing domain event for ``s`` (aggregate version ``version``)."""
+    from .es_events import EsSiblingCompleted, EsSiblingDispatched
+
+    cls = EsSiblingCompleted if s.completed else EsSiblingDispatched
+    return cls(
+        originator_id=originator_id,
+        originator_version=version,
+        timestamp=s.recorded_at,
+        train_step=s.train_step,
+        **payload_dict(s),
+    )
+
+
+# ---------------------------------------------------------------------------- results
+@dataclass
+class Measured:
+    """What one system did: events written and read back, and the seconds each took."""
+
+    append_events: int = 0
+    append_seconds: float = 0.0
+    read_events: int = 0
+    read_seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready numbers, with events per second."""
+        out: dict[str, Any] = {
+            "append_events": self.append_events,
+            "append_seconds": round(self.append_seconds, 4),
+            "append_eps": _eps(self.append_events, self.append_seconds),
+            "read_events": self.read_events,
+            "read_seconds": round(self.read_seconds, 4),
+            "read_eps": _eps(self.read_events, self.read_seconds),
+        }
+        out.update(self.extra)
+        return out
+
+
+def _eps(n: int, seconds: float) -> float | None:
+    return round(n / seconds, 1) if n and seconds > 0 else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def _check(system: str, what: str, ok: bool) -> None:
+    if not ok:
+        raise BenchmarkError(f"{system}: {what}")
+
+
+@contextmanager
+def _timed_section() -> Iterator[None]:
+    """Start every timed section from the same state: earlier garbage collected.
+
+    The cyclic GC stays on inside it, as in a real run: what a system allocates per
+    event, it pays for.
+    """
+    gc.collect()
+    yield
+
+
+def _sqlite_settings(conn: sqlite3.Connection) -> dict[str, Any]:
+    names = {0: "OFF", 1: "NORMAL", 2: "FULL", 3: "EXTRA"}
+    sync = conn.execute("PRAGMA synchronous").fetchone()[0]
+    mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
+    return {"synchronous": names.get(int(sync), str(sync)), "journal_mode": str(mode).lower()}
+
+
+def _file_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.parent.glob(path.name + "*") if p.is_file())
+
+
+# ---------------------------------------------------------------------------- raw sqlite3
+def _events_ddl() -> list[str]:
+    """rolloutlog's events table and indexes, compiled for SQLite."""
+    dialect = sqlite_dialect.dialect()
+    ddl = [str(CreateTable(events_table).compile(dialect=dialect))]
+    ddl += [str(CreateIndex(ix).compile(dialect=dialect)) for ix in events_table.indexes]
+    return ddl
+
+
+_COLS = (
+    "run_id, seq, epoch, type, schema_version, recorded_at, train_step, weight_version, "
+    "group_id, prompt_index, target_step, payload"
+)
+_TYPE_NAMES = (BenchSiblingDispatched.event_type, BenchSiblingCompleted.event_type)
+
+
+def bench_raw_sqlite(
+    path: Path, specs: Sequence[Spec], *, batch: int, synchronous: str
+) -> Measured:
+    """Raw ``sqlite3``: json text from dicts, ``executemany`` per batch, plain SELECT back."""
+    conn = sqlite3.connect(str(path), isolation_level=None)
+    try:
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute(f"PRAGMA synchronous = {synchronous}")
+        for statement in _events_ddl():
+            conn.execute(statement)
+        settings = _sqlite_settings(conn)
+        dicts = [payload_dict(s) for s in specs]
+        dumps = json.JSONEncoder(separators=(",", ":")).encode
+        insert = f"INSERT INTO events ({_COLS}) VALUES ({', '.join(['?'] * 12)})"
+        n = len(specs)
+        with _timed_section():
+            t0 = time.perf_counter()
+            for start in range(0, n, batch):
+                rows = [
+                    (
+                        RUN_ID,
+                        start + j + 1,
+                        1,
+                        _TYPE_NAMES[s.completed],
+                        1,
+                        s.recorded_at.strftime(_SQLITE_TS),
+                        s.train_step,
+                        s.weight_version,
+                        s.group_id,
+                        s.prompt_index,
+                        s.target_step,
+                        dumps(d),
+                    )
+                    for j, (s, d) in enumerate(
+                        zip(specs[start : start + batch], dicts[start : start + batch], strict=True)
+                    )
+                ]
+                conn.execute("BEGIN IMMEDIATE")
+                conn.executemany(insert, rows)
+                conn.execute("COMMIT")
+            append_s = time.perf_counter() - t0
+        payload_bytes = conn.execute("SELECT SUM(LENGTH(payload)) FROM events").fetchone()[0]
+
+        loads = json.loads
+        count = 0
+        first: Any = None
+        last: Any = None
+        with _timed_section():
+            t0 = time.perf_counter()
+            for row in conn.execute(
+                f"SELECT {_COLS} FROM events WHERE run_id = ? ORDER BY seq", (RUN_ID,)
+            ):
+                last = loads(row[11])
+                if first is None:
+                    first = last
+                count += 1
+            read_s = time.perf_counter() - t0
+    finally:
+        conn.close()
+    _check("raw_sqlite3", f"read {count} events, wrote {n}", count == n)
+    _check(
+        "raw_sqlite3", "first/last event differ", n == 0 or (first, last) == (dicts[0], dicts[-1])
+    )
+    return Measured(
+        n,
+        append_s,
+        count,
+        read_s,
+        {**settings, "payload_bytes_avg": round((payload_bytes or 0) / max(n, 1), 1)},
+    )
+
+
+# ---------------------------------------------------------------------------- eventsourcing
+def eventsourcing_version() -> str | None:
+    """The installed eventsourcing version, or None when it is not installed."""
+    try:
+        return importlib_metadata.version("eventsourcing")
+    except importlib_metadata.PackageNotFoundError:
+        return None
+
+
+def bench_eventsourcing(
+    path: Path,
+    specs: Sequence[Spec],
+    *,
+    batch: int,
+    page_size: int,
+    recorder_kind: str,
+    synchronous: str,
+) -> Measured:
+    """eventsourcing's SQLite recorder with its Mapper/JSONTranscoder and typed events."""
+    from eventsourcing.persistence import (
+        DatetimeAsISO,
+        DecimalAsStr,
+        JSONTranscoder,
+        Mapper,
+        UUIDAsHex,
+    )
+    from eventsourcing.sqlite import (
+        SQLiteAggregateRecorder,
+        SQLiteApplicationRecorder,
+        SQLiteDatastore,
+    )
+
+    datastore = SQLiteDatastore(str(path))
+    try:
+        recorder_cls = {
+            "aggregate": SQLiteAggregateRecorder,
+            "application": SQLiteApplicationRecorder,
+        }[recorder_kind]
+        recorder = recorder_cls(datastore)
+        recorder.create_table()
+        with datastore.transaction(commit=False) as cur:
+            settings = _sqlite_settings(cur.sqlite_cursor.connection)
+        # The library leaves SQLite's default synchronous level (FULL); compare like with like.
+        _check(
+            f"eventsourcing ({recorder_kind})",
+            f"synchronous is {settings['synchronous']}, rolloutlog uses {synchronous}",
+            settings["synchronous"] == synchronous and settings["journal_mode"] == "wal",
+        )
+        transcoder = JSONTranscoder()
+        for transcoding in (UUIDAsHex(), DecimalAsStr(), DatetimeAsISO()):
+            transcoder.register(transcoding)
+        mapper: Mapper[uuid.UUID] = Mapper(transcoder=transcoder)
+        originator_id = uuid.uuid5(uuid.NAMESPACE_URL, "rolloutlog-bench")
+        domain_events = [eventsourcing_event(s, originator_id, i + 1) for i, s in enumerate(specs)]
+        to_stored = mapper.to_stored_event
+        n = len(domain_events)
+        with _timed_section():
+            t0 = time.perf_counter()
+            for start in range(0, n, batch):
+                recorder.insert_events([to_stored(e) for e in domain_events[start : start + batch]])
+            append_s = time.perf_counter() - t0
+        with datastore.transaction(commit=False) as cur:
+            cur.execute(f"SELECT SUM(LENGTH(state)) FROM {recorder.events_table_name}")
+            state_bytes = cur.fetchone()[0]
+
+        to_domain = mapper.to_domain_event
+        count = 0
+        first: Any = None
+        last_event: Any = None
+        with _timed_section():
+            t0 = time.perf_counter()
+            after = 0
+            while True:
+                page = recorder.select_events(originator_id, gt=after, limit=page_size)
+                for stored in page:
+                    last_event = to_domain(stored)
+                    if first is None:
+                        first = last_event
+                    count += 1
+                if len(page) < page_size:
+                    break
+                after = page[-1].originator_version
+            read_s = time.perf_counter() - t0
+    finally:
+        datastore.close()
+    name = f"eventsourcing ({recorder_kind} recorder)"
+    _check(name, f"read {count} events, wrote {n}", count == n)
+    _check(
+        name,
+        "first/last event differ",
+        n == 0 or (first, last_event) == (domain_events[0], domain_events[-1]),
+    )
+    return Measured(
+        n,
+        append_s,
+        count,
+        read_s,
+        {
+            **settings,
+            "recorder": recorder_cls.__name__,
+            "payload_bytes_avg": round((state_bytes or 0) / max(n, 1), 1),
+        },
+    )
+
+
+# ---------------------------------------------------------------------------- rolloutlog
+def _append_batches(
+    store: EventStore,
+    codec: EventCodec,
+    models: Sequence[EventModel],
+    specs: Sequence[Spec],
+    *,
+    batch: int,
+    first_seq: int,
+) -> int:
+    """Encode and append ``models`` in batches starting at ``first_seq``; return the last seq."""
+    encode = codec.encode
+    seq = first_seq
+    for start in range(0, len(models), batch):
+        rows = [
+            encode(
+                m,
+                recorded_at=s.recorded_at,
+                train_step=s.train_step,
+                weight_version=s.weight_version,
+            )
+            for m, s in zip(
+                models[start : start + batch], specs[start : start + batch], strict=True
+            )
+        ]
+        seq = store.append(RUN_ID, rows, expected_seq=seq, epoch=1) + 1
+    return seq - 1
+
+
+def bench_rolloutlog(path: Path, specs: Sequence[Spec], *, batch: int, page_size: int) -> Measured:
+    """rolloutlog's public API: EventCodec + EventStore.append; EventStore.read + decode."""
+    codec = make_codec()
+    models = [rolloutlog_event(s) for s in specs]
+    n = len(models)
+    with EventStore.open(f"sqlite:///{path}") as store:
+        store.create_run(RUN_ID)
+        with store.engine.connect() as conn:
+            settings = _sqlite_settings(conn.connection.dbapi_connection)  # type: ignore[arg-type]
+        with _timed_section():
+            t0 = time.perf_counter()
+            last = _append_batches(store, codec, models, specs, batch=batch, first_seq=1)
+            append_s = time.perf_counter() - t0
+        _check("rolloutlog", f"last sequence {last}, wrote {n}", last == n)
+        with store.engine.connect() as conn:
+            payload_bytes = conn.exec_driver_sql("SELECT SUM(LENGTH(payload)) FROM events").scalar()
+
+        decode = codec.decode
+        count = 0
+        first: Any = None
+        last_event: Any = None
+        with _timed_section():
+            t0 = time.perf_counter()
+            for row in store.read(RUN_ID, page_size=page_size):
+                last_event = decode(row)
+                if first is None:
+                    first = last_event
+                count += 1
+            read_s = time.perf_counter() - t0
+    _check("rolloutlog", f"read {count} events, wrote {n}", count == n)
+    _check(
+        "rolloutlog",
+        "first/last event differ",
+        n == 0 or (first, last_event) == (models[0], models[-1]),
+    )
+    return Measured(
+        n,
+        append_s,
+        count,
+        read_s,
+        {**settings, "payload_bytes_avg": round((payload_bytes or 0) / max(n, 1), 1)},
+    )
+
+
+def bench_group_commit(
+    path: Path, specs: Sequence[Spec], *, batch: int, submit_size: int = SIBLINGS_PER_GROUP
+) -> Measured:
+    """rolloutlog through GroupCommitter: ``submit`` a group's worth at a time, then flush."""
+    codec = make_codec()
+    encode = codec.encode
+    models = [rolloutlog_event(s) for s in specs]
+    n = len(models)
+    with EventStore.open(f"sqlite:///{path}") as store:
+        store.create_run(RUN_ID)
+        committer = GroupCommitter(store, RUN_ID, epoch=1, next_seq=1, max_batch=batch)
+        try:
+            with _timed_section():
+                t0 = time.perf_counter()
+                for start in range(0, n, submit_size):
+                    committer.submit(
+                        [
+                            encode(
+                                m,
+                                recorded_at=s.recorded_at,
+                                train_step=s.train_step,
+                                weight_version=s.weight_version,
+                            )
+                            for m, s in zip(
+                                models[start : start + submit_size],
+                                specs[start : start + submit_size],
+                                strict=True,
+                            )
+                        ]
+                    )
+                durable = committer.flush()
+                append_s = time.perf_counter() - t0
+            commits = len(committer.commit_seconds)
+        finally:
+            committer.close()
+        stored = store.last_seq(RUN_ID)
+    _check(
+        "rolloutlog group commit",
+        f"durable {durable}, stored {stored}, wrote {n}",
+        durable == stored == n,
+    )
+    extra: dict[str, Any] = {"submit_size": submit_size, "max_batch": batch}
+    if commits < 5_000:  # the committer keeps a bounded history of commit times
+        extra["commits"] = commits
+        extra["mean_commit_batch"] = round(n / max(commits, 1), 1)
+    return Measured(n, append_s, stored, 0.0, extra)
+
+
+# ---------------------------------------------------------------------------- driver
+def machine_info() -> dict[str, Any]:
+    """Where the numbers were measured."""
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "sqlite": sqlite3.sqlite_version,
+        "eventsourcing": eventsourcing_version(),
+    }
+
+
+@contextmanager
+def _workdir(db_dir: Path | None, keep_files: bool) -> Iterator[Path]:
+    if db_dir is not None:
+        db_dir.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix="rolloutlog-bench-", dir=db_dir))
+    try:
+        yield path
+    finally:
+        if not keep_files:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def run_store_benchmark(
+    *,
+    events: int = 200_000,
+    batch: int = 1_000,
+    page_size: int = 2_000,
+    db_dir: Path | None = None,
+    keep_files: bool = False,
+    progress: _ProgressFn | None = None,
+) -> dict[str, Any]:
+    """Measure append and read+decode throughput of every system on the same events.
+
+    Returns a JSON-ready dict: ``systems`` (raw numbers per system), ``ratios``
+    (rolloutlog ÷ baseline, events per second), ``targets`` and ``met``.
+    ``append_vs_eventsourcing`` and ``read_vs_eventsourcing`` compare with the FASTER of
+    the two eventsourcing recorders; the per-recorder ratios are reported too.
+    """
+    if events < 1 or batch < 1 or page_size < 1:
+        raise ValueError("events, batch and page_size must be >= 1")
+    say = progress or (lambda _msg: None)
+    sync = DEFAULT_SQLITE_SYNCHRONOUS
+    specs = [spec(i) for i in range(events)]
+    systems: dict[str, Measured] = {}
+    with _workdir(db_dir, keep_files) as work:
+        say("raw sqlite3")
+        systems["raw_sqlite3"] = bench_raw_sqlite(
+            work / "raw.db", specs, batch=batch, synchronous=sync
+        )
+        if eventsourcing_version() is None:
+            raise BenchmarkError(
+                "the eventsourcing library is not installed: pip install 'rolloutlog[bench]'"
+            )
+        for kind in ("aggregate", "application"):
+            say(f"eventsourcing ({kind} recorder)")
+            systems[f"eventsourcing_{kind}_recorder"] = bench_eventsourcing(
+                work / f"es_{kind}.db",
+                specs,
+                batch=batch,
+                page_size=page_size,
+                recorder_kind=kind,
+                synchronous=sync,
+            )
+        say("rolloutlog")
+        systems["rolloutlog"] = bench_rolloutlog(
+            work / "rolloutlog.db", specs, batch=batch, page_size=page_size
+        )
+        say("rolloutlog group commit")
+        systems["rolloutlog_group_commit"] = bench_group_commit(
+            work / "rolloutlog_gc.db", specs, batch=batch
+        )
+    out = {name: m.as_dict() for name, m in systems.items()}
+    rl, raw = out["rolloutlog"], out["raw_sqlite3"]
+    es_agg, es_app = (
+        out["eventsourcing_aggregate_recorder"],
+        out["eventsourcing_application_recorder"],
+    )
+    es_best_append = max(es_agg["append_eps"] or 0, es_app["append_eps"] or 0)
+    es_best_read = max(es_agg["read_eps"] or 0, es_app["read_eps"] or 0)
+    gc_eps = out["rolloutlog_group_commit"]["append_eps"]
+    ratios = {
+        "append_vs_raw": _ratio(rl["append_eps"], raw["append_eps"]),
+        "append_vs_eventsourcing": _ratio(rl["append_eps"], es_best_append),
+        "read_vs_eventsourcing": _ratio(rl["read_eps"], es_best_read),
+        "read_vs_raw": _ratio(rl["read_eps"], raw["read_eps"]),
+        "group_commit_vs_raw": _ratio(gc_eps, raw["append_eps"]),
+        "group_commit_vs_eventsourcing": _ratio(gc_eps, es_best_append),
+    }
+    for kind, es in (("aggregate", es_agg), ("application", es_app)):
+        ratios[f"append_vs_eventsourcing_{kind}_recorder"] = _ratio(
+            rl["append_eps"], es["append_eps"]
+        )
+        ratios[f"read_vs_eventsourcing_{kind}_recorder"] = _ratio(rl["read_eps"], es["read_eps"])
+    return {
+        "benchmark": "store",
+        "events": events,
+        "batch": batch,
+        "page_size": page_size,
+        "synchronous": sync,
+        "journal_mode": "wal",
+        "machine": machine_info(),
+        "systems": out,
+        "ratios": ratios,
+        "targets": dict(TARGETS),
+        "met": {k: (ratios[k] or 0) >= v for k, v in TARGETS.items()},
+    }
+
+
+def size_label(n: int) -> str:
+    """``100000`` -> ``100k``, ``10000000`` -> ``10m`` (for ratio names)."""
+    if n % 1_000_000 == 0:
+        return f"{n // 1_000_000}m"
+    if n % 1_000 == 0:
+        return f"{n // 1_000}k"
+    return str(n)
+
+
+def run_scale_benchmark(
+    *,
+    sizes: Sequence[int] = (100_000, 10_000_000),
+    window: int = 100_000,
+    batch: int = 1_000,
+    db_dir: Path | None = None,
+    keep_files: bool = False,
+    progress: _ProgressFn | None = None,
+) -> dict[str, Any]:
+    """Append rate of the ``window`` appends made into a log already holding N events.
+
+    For each N: fill a fresh log with N events through ``EventStore.append`` (the same
+    path, batch size and events as the measurement; its rate is reported too), then time
+    encoding and appending the next ``window`` events. The ratio
+    ``append_<largest>_vs_<smallest>`` is the largest size's rate over the smallest's.
+    """
+    sizes = sorted(set(sizes))
+    if not sizes or sizes[0] < 0 or window < 1 or batch < 1:
+        raise ValueError("sizes must be >= 0; window and batch >= 1")
+    say = progress or (lambda _msg: None)
+    codec = make_codec()
+    results: dict[str, dict[str, Any]] = {}
+    with _workdir(db_dir, keep_files) as work:
+        for n in sizes:
+            path = work / f"scale_{n}.db"
+            with EventStore.open(f"sqlite:///{path}") as store:
+                store.create_run(RUN_ID)
+                chunk = max(batch, 100_000 // batch * batch)
+                fill_rates: list[float] = []
+                t_fill = time.perf_counter()
+                for start in range(0, n, chunk):
+                    stop = min(start + chunk, n)
+                    part = [spec(i) for i in range(start, stop)]
+                    models = [rolloutlog_event(s) for s in part]
+                    t0 = time.perf_counter()
+                    _append_batches(store, codec, models, part, batch=batch, first_seq=start + 1)
+                    fill_rates.append((stop - start) / (time.perf_counter() - t0))
+                    if start // chunk % 10 == 9:
+                        say(f"log of {size_label(n)}: filled {stop:,} events")
+                fill_s = time.perf_counter() - t_fill
+                part = [spec(i) for i in range(n, n + window)]
+                models = [rolloutlog_event(s) for s in part]
+                say(f"log of {size_label(n)}: measuring the next {window:,} appends")
+                with _timed_section():
+                    t0 = time.perf_counter()
+                    last = _append_batches(store, codec, models, part, batch=batch, first_seq=n + 1)
+                    window_s = time.perf_counter() - t0
+                _check("scale", f"last sequence {last}, expected {n + window}", last == n + window)
+                _check("scale", "stored count", store.last_seq(RUN_ID) == n + window)
+            results[size_label(n)] = {
+                "prefilled_events": n,
+                "measured_events": window,
+                "append_seconds": round(window_s, 4),
+                "append_eps": _eps(window, window_s),
+                "fill_seconds": round(fill_s, 2),
+                "fill_eps_first_chunk": round(fill_rates[0], 1) if fill_rates else None,
+                "fill_eps_last_chunk": round(fill_rates[-1], 1) if fill_rates else None,
+                "file_bytes": _file_bytes(path),
+            }
+            if not keep_files:
+                for p in work.glob(path.name + "*"):
+                    p.unlink()
+    small, large = size_label(sizes[0]), size_label(sizes[-1])
+    ratios: dict[str, float | None] = {}
+    if len(sizes) > 1:
+        ratios[f"append_{large}_vs_{small}"] = _ratio(
+            results[large]["append_eps"], results[small]["append_eps"]
+        )
+    return {
+        "benchmark": "store-scale",
+        "window": window,
+        "batch": batch,
+        "synchronous": DEFAULT_SQLITE_SYNCHRONOUS,
+        "journal_mode": "wal",
+        "machine": machine_info(),
+        "sizes": results,
+        "ratios": ratios,
+        "target": SCALE_TARGET,
+        "met": {k: (v or 0) >= SCALE_TARGET for k, v in ratios.items()},
+    }

@@ -1,0 +1,129 @@
+"""Run configuration: one pydantic model, validated up front, every knob with its default.
+
+Operator decisions (sampler, staleness bound, retry limits, commit window, telemetry)
+live here, not in module constants. Unknown fields are rejected with their name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+SamplerKind = Literal["in_order", "windowed", "weight_fifo", "ready_first"]
+DropPolicy = Literal["replace", "shrink", "fail"]
+RecoveryGranularity = Literal["sibling", "group"]
+
+
+class RolloutConfig(BaseModel):
+    """The rollout state machine's rules. Part of the run's fingerprint."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    group_size: int = Field(4, ge=1, description="Completions (siblings) per prompt.")
+    groups_per_step: int = Field(8, ge=1, description="Groups in one training batch.")
+    sampler: SamplerKind = Field(
+        "in_order",
+        description="in_order: exact target step; windowed: weights within the staleness "
+        "window; weight_fifo: oldest weights first; ready_first: first ready, never evicts.",
+    )
+    staleness_bound: int = Field(
+        1, ge=0, description="S: largest allowed trainer weight version - oldest sibling version."
+    )
+    lookahead: int = Field(
+        1, ge=0, description="L: steps the dispatch cursor may run ahead of the train step."
+    )
+    spare_pool_size: int = Field(
+        2, ge=0, description="Prompts pulled ahead to replace dropped or evicted prompts."
+    )
+    drop_policy: DropPolicy = Field(
+        "replace",
+        description="What a dropped prompt does to its step: replace it with a spare (or "
+        "borrow), shrink the step, or fail the run.",
+    )
+    min_step_fraction: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="shrink: the smallest fraction of groups_per_step a step may train.",
+    )
+    attempts_per_sibling: int = Field(
+        3, ge=1, description="Dispatch attempts of one sibling before its prompt is dropped."
+    )
+    recovery_granularity: RecoveryGranularity = Field(
+        "sibling",
+        description="At restore, reuse finished siblings of unfinished groups (sibling) or "
+        "re-run whole groups (group).",
+    )
+    abort_stale_at_weight_sync: bool = Field(
+        True,
+        description="Gated samplers (all but ready_first) abort in-flight siblings that "
+        "would be stale when new weights are published.",
+    )
+
+
+class StoreConfig(BaseModel):
+    """Where the log lives and how it is written."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: str = Field(
+        "sqlite:///runs/rolloutlog.db", description="sqlite:///PATH or postgresql+psycopg://..."
+    )
+    group_commit_window_ms: float = Field(
+        5.0, ge=0, description="Longest a submitted event waits for its batch's transaction."
+    )
+    group_commit_max_batch: int = Field(2000, ge=1, description="Most events per transaction.")
+    snapshot_interval: int = Field(
+        50_000, ge=0, description="Events between state snapshots (0: never snapshot)."
+    )
+
+
+class TelemetryConfig(BaseModel):
+    """Metrics export. Telemetry never stops a run."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(False, description="Serve Prometheus metrics while running.")
+    port: int = Field(9400, ge=0, le=65535, description="HTTP port of the metrics exporter.")
+
+
+def fingerprint(data: object) -> str:
+    """A stable short hash of JSON-serialisable data."""
+    raw = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(raw).hexdigest()[:32]
+
+
+class ConfigError(ValueError):
+    """A configuration file or value is invalid; the message names the field."""
+
+
+def describe_validation_error(exc: ValidationError, source: str) -> str:
+    """One line per invalid field: ``field.path: message``."""
+    lines = [f"invalid configuration in {source}:"]
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(root)"
+        lines.append(f"  {loc}: {err['msg']}")
+    return "\n".join(lines)
+
+
+def load_yaml(path: Path, model: type[BaseModel]) -> BaseModel:
+    """Load and validate a YAML file into ``model``; errors name the offending field."""
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read configuration {path}: {exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"configuration {path} is not valid YAML: {exc}") from exc
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"configuration {path} must be a mapping, got {type(raw).__name__}")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(describe_validation_error(exc, str(path))) from exc

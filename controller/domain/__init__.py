@@ -1,0 +1,51 @@
+"""The pure core: events, state, decide/evolve per concern, samplers, invariants."""
+
+from .commands import (
+    AbortSibling,
+    AdmitStep,
+    CompleteSibling,
+    DispatchSiblings,
+    EvictStale,
+    FailSibling,
+    MarkCheckpoint,
+    PublishWeights,
+    RecordTrainStep,
+    Restore,
+    Resume,
+    SalvagedCompletion,
+    SelectBatch,
+    StartRun,
+)
+from .decider import decide, evolve, fold, initial_state
+from .events import CODEC
+from .invariants import check_invariants, find_violations
+from .state import GroupState, Phase, RunState, SiblingState, SiblingStatus
+
+__all__ = [
+    "CODEC",
+    "AbortSibling",
+    "AdmitStep",
+    "CompleteSibling",
+    "DispatchSiblings",
+    "EvictStale",
+    "FailSibling",
+    "GroupState",
+    "MarkCheckpoint",
+    "Phase",
+    "PublishWeights",
+    "RecordTrainStep",
+    "Restore",
+    "Resume",
+    "RunState",
+    "SalvagedCompletion",
+    "SelectBatch",
+    "SiblingState",
+    "SiblingStatus",
+    "StartRun",
+    "check_invariants",
+    "decide",
+    "evolve",
+    "find_violations",
+    "fold",
+    "initial_state",
+]

@@ -1,0 +1,108 @@
+"""The four samplers: which ready groups form the batch of a train step, and which
+groups are too stale to keep.
+
+- ``in_order``: exactly the groups stamped for the step; the batch waits for all of them.
+- ``windowed``: any ready group whose weights lie in [train - S, train], by target step.
+- ``weight_fifo``: the same window, oldest weights first.
+- ``ready_first``: the first groups to become ready; never evicts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .admission import admission_blocker
+from .state import GroupState, Phase, RunState
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """What the sampler wants for a step: evictions first, then (when ready) a batch."""
+
+    evict: list[tuple[GroupState, int]] = field(default_factory=list)
+    select: list[GroupState] | None = None
+    shortfall: int = 0
+    waiting_for: str = ""
+
+
+def is_gated(state: RunState) -> bool:
+    """Gated samplers enforce the staleness bound (all but ready_first)."""
+    return state.rules.sampler != "ready_first"
+
+
+def stale_groups(state: RunState, phases: tuple[Phase, ...]) -> list[tuple[GroupState, int]]:
+    """Live groups in ``phases`` whose staleness exceeds the bound (gated samplers only)."""
+    if not is_gated(state):
+        return []
+    bound = state.rules.staleness_bound
+    out = []
+    for g in state.groups.values():
+        if g.phase in phases:
+            s = state.staleness(g)
+            if s > bound:
+                out.append((g, s))
+    return sorted(out, key=lambda item: item[0].group_id)
+
+
+def _order_windowed(g: GroupState) -> tuple[int, int]:
+    return (g.target_step if g.target_step is not None else -1, g.group_id)
+
+
+def _order_weight_fifo(g: GroupState) -> tuple[int, int]:
+    oldest = g.oldest_version()
+    return (oldest if oldest is not None else -1, g.group_id)
+
+
+def _order_ready_first(g: GroupState) -> tuple[int, int]:
+    return (g.ready_order if g.ready_order is not None else -1, g.group_id)
+
+
+_ORDERS: dict[str, Callable[[GroupState], tuple[int, int]]] = {
+    "windowed": _order_windowed,
+    "weight_fifo": _order_weight_fifo,
+    "ready_first": _order_ready_first,
+}
+
+
+def plan_batch(state: RunState, train_step: int) -> BatchPlan:
+    """The sampler's plan for ``train_step`` (the caller checked it is the next step)."""
+    stale = stale_groups(state, (Phase.READY,))
+    if stale:
+        return BatchPlan(evict=stale, waiting_for="stale groups to be evicted")
+    if state.rules.sampler == "in_order":
+        return _plan_in_order(state, train_step)
+    return _plan_pooled(state)
+
+
+def _plan_in_order(state: RunState, t: int) -> BatchPlan:
+    rules = state.rules
+    if t >= state.dispatch_cursor:
+        return BatchPlan(waiting_for=f"step {t} has not been admitted")
+    stamped = [
+        g
+        for g in state.groups.values()
+        if g.target_step == t and g.phase in (Phase.ADMITTED, Phase.READY)
+    ]
+    generating = [g for g in stamped if g.phase is Phase.ADMITTED]
+    if generating:
+        return BatchPlan(waiting_for=f"{len(generating)} groups of step {t} are still generating")
+    chosen = sorted(stamped, key=lambda g: g.group_id)
+    if not chosen:
+        return BatchPlan(waiting_for=f"step {t} has no groups left")
+    return BatchPlan(select=chosen, shortfall=rules.groups_per_step - len(chosen))
+
+
+def _plan_pooled(state: RunState) -> BatchPlan:
+    rules = state.rules
+    eligible = sorted(
+        (g for g in state.groups.values() if g.phase is Phase.READY), key=_ORDERS[rules.sampler]
+    )
+    if len(eligible) >= rules.groups_per_step:
+        return BatchPlan(select=eligible[: rules.groups_per_step])
+    generating = any(g.phase is Phase.ADMITTED for g in state.groups.values())
+    if generating or admission_blocker(state) is None:
+        return BatchPlan(waiting_for=f"{len(eligible)} of {rules.groups_per_step} groups ready")
+    if not eligible:
+        return BatchPlan(waiting_for="no groups are left to train")
+    return BatchPlan(select=eligible, shortfall=rules.groups_per_step - len(eligible))

@@ -1,0 +1,272 @@
+"""Siblings: dispatch with attempt numbers, completion, failure and retry, abort; fencing
+of superseded attempts; the group's commit when its last sibling finishes."""
+
+from __future__ import annotations
+
+from .buffer import VacancyPlanner
+from .commands import AbortSibling, CompleteSibling, DispatchSiblings, FailSibling
+from .errors import IllegalTransitionError, StaleAttemptError, UnknownGroupError
+from .events import (
+    GroupCommitted,
+    RolloutEvent,
+    SiblingAborted,
+    SiblingCompleted,
+    SiblingDispatched,
+    SiblingFailed,
+)
+from .state import GroupState, Phase, RunState, SiblingState, SiblingStatus
+
+# ---------------------------------------------------------------- decide
+
+
+def _group(state: RunState, group_id: int) -> GroupState:
+    group = state.groups.get(group_id)
+    if group is None:
+        raise UnknownGroupError(f"group {group_id} is not live in run {state.run_id!r}")
+    return group
+
+
+def _sibling(state: RunState, group: GroupState, sibling: int) -> SiblingState:
+    if not 0 <= sibling < len(group.siblings):
+        raise IllegalTransitionError(
+            f"group {group.group_id} has siblings 0..{len(group.siblings) - 1}, not {sibling}"
+        )
+    return group.siblings[sibling]
+
+
+def _in_flight(state: RunState, group_id: int, sibling: int, attempt: int) -> SiblingState:
+    group = _group(state, group_id)
+    sib = _sibling(state, group, sibling)
+    if attempt != sib.attempt:
+        raise StaleAttemptError(
+            f"group {group_id} sibling {sibling}: attempt {attempt} is superseded by attempt "
+            f"{sib.attempt}; its result is rejected"
+        )
+    if sib.status is not SiblingStatus.IN_FLIGHT:
+        raise IllegalTransitionError(
+            f"group {group_id} sibling {sibling} attempt {attempt} is {sib.status.value}, "
+            "not in flight"
+        )
+    return sib
+
+
+def decide_dispatch(state: RunState, cmd: DispatchSiblings) -> list[RolloutEvent]:
+    """A SiblingDispatched per sibling, each with the next attempt number."""
+    group = _group(state, cmd.group_id)
+    if group.phase is not Phase.ADMITTED:
+        raise IllegalTransitionError(
+            f"group {cmd.group_id} is {group.phase.value}; only admitted groups are dispatched"
+        )
+    if not cmd.siblings:
+        raise IllegalTransitionError(f"dispatch of group {cmd.group_id} names no siblings")
+    if len(set(cmd.siblings)) != len(cmd.siblings):
+        raise IllegalTransitionError(f"dispatch of group {cmd.group_id} repeats siblings")
+    if not 0 <= cmd.weight_version <= state.weight_version:
+        raise IllegalTransitionError(
+            f"dispatch with weight version {cmd.weight_version}, but the trainer is at "
+            f"{state.weight_version}"
+        )
+    events: list[RolloutEvent] = []
+    for index in cmd.siblings:
+        sib = _sibling(state, group, index)
+        if sib.status is not SiblingStatus.PENDING:
+            raise IllegalTransitionError(
+                f"group {cmd.group_id} sibling {index} is {sib.status.value}; "
+                "only pending siblings are dispatched"
+            )
+        events.append(
+            SiblingDispatched(
+                group_id=cmd.group_id,
+                sibling=index,
+                attempt=sib.attempt + 1,
+                weight_version=cmd.weight_version,
+            )
+        )
+    return events
+
+
+def decide_complete(state: RunState, cmd: CompleteSibling) -> list[RolloutEvent]:
+    """SiblingCompleted, plus GroupCommitted when it was the group's last sibling."""
+    sib = _in_flight(state, cmd.group_id, cmd.sibling, cmd.attempt)
+    dispatched = sib.weight_version if sib.weight_version is not None else 0
+    if not dispatched <= cmd.weight_version <= state.weight_version:
+        raise IllegalTransitionError(
+            f"group {cmd.group_id} sibling {cmd.sibling} was dispatched with weight version "
+            f"{dispatched} and the trainer is at {state.weight_version}, but the result "
+            f"reports version {cmd.weight_version}"
+        )
+    if cmd.completion_tokens < 1 or cmd.prompt_tokens < 1:
+        raise IllegalTransitionError(
+            f"group {cmd.group_id} sibling {cmd.sibling}: token counts must be positive"
+        )
+    events: list[RolloutEvent] = [
+        SiblingCompleted(
+            group_id=cmd.group_id,
+            sibling=cmd.sibling,
+            attempt=cmd.attempt,
+            weight_version=cmd.weight_version,
+            prompt_tokens=cmd.prompt_tokens,
+            completion_tokens=cmd.completion_tokens,
+            reward=cmd.reward,
+            payload_id=cmd.payload_id,
+            finish_reason=cmd.finish_reason,
+        )
+    ]
+    events.extend(
+        commit_if_complete(state, cmd.group_id, extra_done={cmd.sibling: cmd.weight_version})
+    )
+    return events
+
+
+def commit_if_complete(
+    state: RunState, group_id: int, extra_done: dict[int, int]
+) -> list[RolloutEvent]:
+    """GroupCommitted if every sibling is done once ``extra_done`` (sibling -> version) are."""
+    group = state.groups[group_id]
+    versions: list[int] = []
+    for i, s in enumerate(group.siblings):
+        if i in extra_done:
+            versions.append(extra_done[i])
+        elif s.status is SiblingStatus.DONE and s.weight_version is not None:
+            versions.append(s.weight_version)
+        else:
+            return []
+    assert group.target_step is not None
+    return [
+        GroupCommitted(
+            group_id=group_id,
+            prompt_index=group.prompt_index,
+            target_step=group.target_step,
+            oldest_weight_version=min(versions),
+        )
+    ]
+
+
+def decide_fail(state: RunState, cmd: FailSibling) -> list[RolloutEvent]:
+    """SiblingFailed; when attempts are exhausted (or it cannot be retried) the prompt is
+    dropped and the drop policy decides what fills its slot."""
+    sib = _in_flight(state, cmd.group_id, cmd.sibling, cmd.attempt)
+    events: list[RolloutEvent] = [
+        SiblingFailed(
+            group_id=cmd.group_id,
+            sibling=cmd.sibling,
+            attempt=cmd.attempt,
+            retryable=cmd.retryable,
+            reason=cmd.reason,
+        )
+    ]
+    failures = sib.failures + 1
+    if cmd.retryable and failures < state.rules.attempts_per_sibling:
+        return events
+    why = (
+        f"sibling {cmd.sibling} failed without retry: {cmd.reason}"
+        if not cmd.retryable
+        else f"sibling {cmd.sibling} failed {failures} times (attempts_per_sibling="
+        f"{state.rules.attempts_per_sibling}): {cmd.reason}"
+    )
+    planner = VacancyPlanner.for_state(state)
+    events.extend(planner.vacate(state.groups[cmd.group_id], kind="drop", reason=why))
+    events.extend(planner.refill())
+    return events
+
+
+def decide_abort(state: RunState, cmd: AbortSibling) -> list[RolloutEvent]:
+    """SiblingAborted: the attempt is abandoned, the sibling waits for a new dispatch."""
+    _in_flight(state, cmd.group_id, cmd.sibling, cmd.attempt)
+    return [
+        SiblingAborted(
+            group_id=cmd.group_id, sibling=cmd.sibling, attempt=cmd.attempt, reason=cmd.reason
+        )
+    ]
+
+
+# ---------------------------------------------------------------- evolve
+
+
+def _evolve_target(state: RunState, group_id: int, sibling: int, what: str) -> SiblingState:
+    from .errors import UnknownReferenceError
+
+    group = state.groups.get(group_id)
+    if group is None or not 0 <= sibling < len(group.siblings):
+        raise UnknownReferenceError(
+            f"{what} names unknown group {group_id} sibling {sibling}", groups=(group_id,)
+        )
+    return group.siblings[sibling]
+
+
+def evolve_dispatched(state: RunState, ev: SiblingDispatched) -> None:
+    """The sibling is in flight with a new attempt number."""
+    sib = _evolve_target(state, ev.group_id, ev.sibling, "SiblingDispatched")
+    if ev.attempt <= sib.attempt or sib.status is not SiblingStatus.PENDING:
+        raise IllegalTransitionError(
+            f"group {ev.group_id} sibling {ev.sibling}: dispatch of attempt {ev.attempt} while "
+            f"attempt {sib.attempt} is {sib.status.value}"
+        )
+    sib.attempt = ev.attempt
+    sib.status = SiblingStatus.IN_FLIGHT
+    sib.weight_version = ev.weight_version
+
+
+def evolve_completed(state: RunState, ev: SiblingCompleted) -> None:
+    """The sibling is done (a salvaged completion may come from a later attempt)."""
+    from .errors import SiblingAccountingError
+
+    sib = _evolve_target(state, ev.group_id, ev.sibling, "SiblingCompleted")
+    if ev.salvaged_from is None:
+        if ev.attempt != sib.attempt or sib.status is not SiblingStatus.IN_FLIGHT:
+            raise SiblingAccountingError(
+                f"group {ev.group_id} sibling {ev.sibling}: completion of attempt {ev.attempt} "
+                f"accepted while attempt {sib.attempt} is {sib.status.value}",
+                groups=(ev.group_id,),
+            )
+    elif sib.status is SiblingStatus.DONE:
+        raise SiblingAccountingError(
+            f"group {ev.group_id} sibling {ev.sibling} salvaged but already done",
+            groups=(ev.group_id,),
+        )
+    sib.attempt = max(sib.attempt, ev.attempt)
+    sib.status = SiblingStatus.DONE
+    sib.weight_version = ev.weight_version
+    sib.completion_tokens = ev.completion_tokens
+    sib.reward = ev.reward
+    sib.payload_id = ev.payload_id
+    sib.salvaged = ev.salvaged_from is not None
+    state.counters.siblings_completed += 1
+    state.counters.tokens_generated += ev.completion_tokens
+    if sib.salvaged:
+        state.counters.siblings_salvaged += 1
+
+
+def _back_to_pending(
+    state: RunState, group_id: int, sibling: int, attempt: int, what: str
+) -> SiblingState:
+    sib = _evolve_target(state, group_id, sibling, what)
+    if attempt != sib.attempt or sib.status is not SiblingStatus.IN_FLIGHT:
+        raise IllegalTransitionError(
+            f"group {group_id} sibling {sibling}: {what} of attempt {attempt} while attempt "
+            f"{sib.attempt} is {sib.status.value}"
+        )
+    sib.status = SiblingStatus.PENDING
+    sib.weight_version = None
+    return sib
+
+
+def evolve_failed(state: RunState, ev: SiblingFailed) -> None:
+    """The attempt failed; the sibling may be dispatched again."""
+    sib = _back_to_pending(state, ev.group_id, ev.sibling, ev.attempt, "SiblingFailed")
+    sib.failures += 1
+    state.counters.siblings_failed += 1
+
+
+def evolve_aborted(state: RunState, ev: SiblingAborted) -> None:
+    """The attempt was abandoned; the sibling waits for a new dispatch."""
+    _back_to_pending(state, ev.group_id, ev.sibling, ev.attempt, "SiblingAborted")
+    state.counters.siblings_aborted += 1
+
+
+EVOLVERS = {
+    SiblingDispatched: evolve_dispatched,
+    SiblingCompleted: evolve_completed,
+    SiblingFailed: evolve_failed,
+    SiblingAborted: evolve_aborted,
+}

@@ -1,0 +1,215 @@
+"""The rollout state: what a fold of the events yields. O(live groups), not O(history).
+
+Groups leave the state when they reach a terminal phase (trained, evicted, dropped);
+only counters remember them. ``evolve`` updates a state in place (a 10M-event replay
+cannot copy the state per event); use :meth:`RunState.copy` to keep an old one.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from ..config import RolloutConfig
+
+
+class Phase(StrEnum):
+    """Where a group is in its lifecycle (terminal phases are only counted)."""
+
+    SPARE = "spare"
+    ADMITTED = "admitted"  # in flight or partially generated
+    READY = "ready"  # in the replay buffer
+    SELECTED = "selected"  # in a train batch not yet trained
+    TRAINED = "trained"
+    EVICTED = "evicted"
+    DROPPED = "dropped"
+
+
+class SiblingStatus(StrEnum):
+    """One sibling's generation status."""
+
+    PENDING = "pending"  # not dispatched, or its last attempt failed/aborted
+    IN_FLIGHT = "in_flight"
+    DONE = "done"
+
+
+@dataclass(slots=True)
+class SiblingState:
+    """One completion of a group."""
+
+    attempt: int = 0  # newest attempt dispatched (0: never dispatched)
+    status: SiblingStatus = SiblingStatus.PENDING
+    weight_version: int | None = None  # of the dispatch (in flight) or the completion (done)
+    failures: int = 0
+    completion_tokens: int = 0
+    reward: float | None = None
+    payload_id: str | None = None
+    salvaged: bool = False
+
+
+@dataclass(slots=True)
+class GroupState:
+    """One prompt × group_size siblings."""
+
+    group_id: int
+    prompt_index: int
+    target_step: int | None
+    phase: Phase
+    siblings: list[SiblingState]
+    recovered: bool = False  # came back in a restore
+    borrowed_from: int | None = None  # lender step, when re-stamped by a borrow
+    selected_for: int | None = None  # train step, when selected
+    selected_staleness: int | None = None
+    ready_order: int | None = None  # position in commit order (ready_first sampler)
+
+    def done_count(self) -> int:
+        """Siblings with a completion."""
+        return sum(1 for s in self.siblings if s.status is SiblingStatus.DONE)
+
+    def oldest_version(self) -> int | None:
+        """Oldest weight version among finished siblings (None when none finished)."""
+        versions = [
+            s.weight_version
+            for s in self.siblings
+            if s.status is SiblingStatus.DONE and s.weight_version is not None
+        ]
+        return min(versions) if versions else None
+
+
+@dataclass(slots=True)
+class Loan:
+    """A borrow: ``group_id`` moved from ``lender_step`` to ``borrower_step``."""
+
+    group_id: int
+    lender_step: int
+    borrower_step: int
+    repaid_by: int | None  # the spare assigned the lender's stamp; None = recorded debt
+
+
+@dataclass(slots=True)
+class Counters:
+    """Totals of terminal and other transitions (groups no longer held in the state)."""
+
+    groups_committed: int = 0
+    groups_trained: int = 0
+    groups_evicted: int = 0
+    groups_evicted_recovered: int = 0
+    prompts_dropped: int = 0
+    replacements: int = 0
+    borrows: int = 0
+    shortfall: int = 0
+    siblings_completed: int = 0
+    siblings_failed: int = 0
+    siblings_aborted: int = 0
+    siblings_salvaged: int = 0
+    tokens_generated: int = 0
+    tokens_committed: int = 0
+
+
+@dataclass(slots=True)
+class CheckpointRef:
+    """The newest checkpoint marker in the history."""
+
+    offset: int
+    train_step: int
+    weight_version: int
+
+
+@dataclass(slots=True)
+class RunState:
+    """The whole rollout state of one run at one offset."""
+
+    run_id: str | None = None
+    config: RolloutConfig | None = None
+    config_fingerprint: str = ""
+    dataset_fingerprint: str = ""
+    dataset_size: int = 0
+    epoch: int = 1
+    last_seq: int = 0  # offset of the newest applied event
+    dataset_cursor: int = 0  # prompts pulled
+    dispatch_cursor: int = 0  # next step to admit prompts for
+    train_step: int = 0  # next step to train (= steps trained)
+    weight_version: int = 0  # the trainer's
+    published_version: int = 0  # what generation serves
+    next_group_id: int = 0
+    groups: dict[int, GroupState] = field(default_factory=dict)
+    quotas: dict[int, int] = field(default_factory=dict)  # target step -> groups it trains
+    spares: list[int] = field(default_factory=list)  # spare group ids, oldest first
+    batches: dict[int, list[int]] = field(default_factory=dict)  # selected, untrained
+    batch_shortfall: dict[int, int] = field(default_factory=dict)
+    loans: dict[int, Loan] = field(default_factory=dict)  # by borrowed group id
+    counters: Counters = field(default_factory=Counters)
+    checkpoint: CheckpointRef | None = None
+    failure: str | None = None  # set when the drop policy "fail" stopped the run
+
+    @property
+    def rules(self) -> RolloutConfig:
+        """The run's config; an error before RunStarted."""
+        if self.config is None:
+            raise RuntimeError("the run has not started (no RunStarted event applied)")
+        return self.config
+
+    def copy(self) -> RunState:
+        """A deep copy (evolve mutates in place)."""
+        return copy.deepcopy(self)
+
+    def live_groups(self, *phases: Phase) -> list[GroupState]:
+        """Groups in any of ``phases`` (all live groups when none given), by group id."""
+        if not phases:
+            return list(self.groups.values())
+        return [g for g in self.groups.values() if g.phase in phases]
+
+    def staleness(self, group: GroupState) -> int:
+        """Trainer weight version minus the group's oldest finished sibling version."""
+        oldest = group.oldest_version()
+        return 0 if oldest is None else self.weight_version - oldest
+
+    # ------------------------------------------------------------------ snapshots
+    def to_snapshot(self) -> dict[str, Any]:
+        """A JSON-serialisable dict of the whole state."""
+        data = asdict(self)
+        data["config"] = self.config.model_dump() if self.config else None
+        data["groups"] = [asdict(g) for g in self.groups.values()]
+        data["loans"] = [asdict(loan) for loan in self.loans.values()]
+        data["quotas"] = [[k, v] for k, v in self.quotas.items()]
+        data["batches"] = [[k, v] for k, v in self.batches.items()]
+        data["batch_shortfall"] = [[k, v] for k, v in self.batch_shortfall.items()]
+        return data
+
+    @classmethod
+    def from_snapshot(cls, data: dict[str, Any]) -> RunState:
+        """Rebuild a state from :meth:`to_snapshot`'s output."""
+        groups = {}
+        for g in data["groups"]:
+            sibs = [
+                SiblingState(**{**s, "status": SiblingStatus(s["status"])}) for s in g["siblings"]
+            ]
+            groups[g["group_id"]] = GroupState(
+                **{**g, "phase": Phase(g["phase"]), "siblings": sibs}
+            )
+        return cls(
+            run_id=data["run_id"],
+            config=RolloutConfig.model_validate(data["config"]) if data["config"] else None,
+            config_fingerprint=data["config_fingerprint"],
+            dataset_fingerprint=data["dataset_fingerprint"],
+            dataset_size=data["dataset_size"],
+            epoch=data["epoch"],
+            last_seq=data["last_seq"],
+            dataset_cursor=data["dataset_cursor"],
+            dispatch_cursor=data["dispatch_cursor"],
+            train_step=data["train_step"],
+            weight_version=data["weight_version"],
+            published_version=data["published_version"],
+            next_group_id=data["next_group_id"],
+            groups=groups,
+            quotas={int(k): v for k, v in data["quotas"]},
+            spares=list(data["spares"]),
+            batches={int(k): list(v) for k, v in data["batches"]},
+            batch_shortfall={int(k): v for k, v in data["batch_shortfall"]},
+            loans={loan["group_id"]: Loan(**loan) for loan in data["loans"]},
+            counters=Counters(**data["counters"]),
+            checkpoint=CheckpointRef(**data["checkpoint"]) if data["checkpoint"] else None,
+            failure=data["failure"],
+        )

@@ -1,0 +1,513 @@
+"""RolloutController: the pure core wired to the event store (the I/O edge).
+
+Every command is decided against the current state, its events are submitted to the
+group committer (which assigns their offsets), then applied. Nothing leaves the
+controller before the events behind it are durable: :meth:`checkpoint` flushes before
+returning its offset, and callers flush (:meth:`flush` / :meth:`aflush`) before handing
+a batch to the trainer. Snapshots are written in the background and never stop a run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from typing import Literal
+
+from eventstore import EventStore, GroupCommitter, PayloadPut, RunInfo, StoredEvent
+
+from .config import RolloutConfig, StoreConfig, fingerprint
+from .domain import CODEC, decide, evolve, find_violations
+from .domain.commands import (
+    Command,
+    EvictStale,
+    MarkCheckpoint,
+    Restore,
+    Resume,
+    SalvagedCompletion,
+    StartRun,
+)
+from .domain.errors import CursorBehindError, RestoreError
+from .domain.events import CheckpointMarked, RolloutEvent, SiblingCompleted
+from .domain.invariants import check_invariants
+from .domain.state import RunState
+
+log = logging.getLogger(__name__)
+
+SNAPSHOT_SCHEMA_VERSION = 1
+Clock = Callable[[], datetime]
+
+
+def run_fingerprint(rollout: RolloutConfig, dataset_fingerprint: str) -> str:
+    """The fingerprint a restore compares: the rollout rules and the dataset."""
+    return fingerprint({"rollout": rollout.model_dump(), "dataset": dataset_fingerprint})
+
+
+def encode_snapshot(state: RunState) -> bytes:
+    """Compressed JSON of the state (deterministic: sorted keys)."""
+    raw = json.dumps(state.to_snapshot(), sort_keys=True, separators=(",", ":"))
+    return zlib.compress(raw.encode(), 1)
+
+
+def decode_snapshot(data: bytes) -> RunState:
+    """The inverse of :func:`encode_snapshot`."""
+    return RunState.from_snapshot(json.loads(zlib.decompress(data)))
+
+
+@dataclass
+class RecoveryReport:
+    """What a restore found and did, with the time each phase took (seconds)."""
+
+    run_id: str
+    from_offset: int
+    epoch: int
+    mode: str
+    granularity: str
+    complete_groups_restored: int
+    unfinished_groups_found: int
+    siblings_reused: int
+    siblings_rerun: int
+    siblings_salvaged: int
+    groups_evicted_stale: int
+    snapshot_offset: int | None
+    events_replayed: int
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-friendly form."""
+        return asdict(self)
+
+
+@dataclass
+class ReplayResult:
+    """A state rebuilt from the log, and how it was rebuilt."""
+
+    state: RunState
+    snapshot_offset: int | None
+    events_replayed: int
+    load_seconds: float
+    replay_seconds: float
+
+
+def iter_history(
+    store: EventStore, run_id: str, to_seq: int | None = None, *, from_seq: int = 1
+) -> Iterator[tuple[StoredEvent, RolloutEvent]]:
+    """Decoded events of the run's history (skipping ranges a restore abandoned)."""
+    for row in store.read_history(run_id, to_seq, from_seq=from_seq):
+        yield row, CODEC.decode(row)  # type: ignore[misc]
+
+
+def replay(
+    store: EventStore,
+    run_id: str,
+    to_seq: int | None = None,
+    *,
+    use_snapshots: bool = True,
+    check_each: Callable[[RunState, StoredEvent], None] | None = None,
+) -> ReplayResult:
+    """Rebuild the state at ``to_seq`` (default: the end of the current history)."""
+    started = time.perf_counter()
+    segments = store.history_segments(run_id, to_seq)
+    state: RunState | None = None
+    snap_offset: int | None = None
+    if use_snapshots:
+        for first, last in reversed(segments):
+            snap = store.load_snapshot(run_id, at_or_before=last)
+            if snap is not None and snap.seq >= first:
+                try:
+                    state = decode_snapshot(snap.data)
+                    snap_offset = snap.seq
+                except Exception as exc:  # a bad snapshot costs time, never correctness
+                    log.warning("ignoring unreadable snapshot at %s: %s", snap.seq, exc)
+                    state = None
+                break
+    loaded = time.perf_counter()
+    if state is None:
+        state = RunState()
+    count = 0
+    upper = segments[-1][1] if segments else 0
+    for first, last in segments:
+        lo = max(first, state.last_seq + 1)
+        if lo > last:
+            continue
+        for row in store.read(run_id, lo, min(last, upper)):
+            evolve(state, CODEC.decode(row), row.seq)  # type: ignore[arg-type]
+            count += 1
+            if check_each is not None:
+                check_each(state, row)
+    return ReplayResult(state, snap_offset, count, loaded - started, time.perf_counter() - loaded)
+
+
+class RolloutController:
+    """The library core: a run's state, kept in step with its log."""
+
+    def __init__(
+        self,
+        store: EventStore,
+        state: RunState,
+        *,
+        run_id: str,
+        epoch: int,
+        store_config: StoreConfig | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        self.store = store
+        self.state = state
+        self.run_id = run_id
+        self.epoch = epoch
+        self.store_config = store_config or StoreConfig()
+        self.clock: Clock = clock or (lambda: datetime.now(UTC))
+        info = store.get_run(self.run_id)
+        self.committer = GroupCommitter(
+            store,
+            self.run_id,
+            epoch=epoch,
+            next_seq=info.last_seq + 1,
+            max_batch=self.store_config.group_commit_max_batch,
+            window_s=self.store_config.group_commit_window_ms / 1000,
+        )
+        self._last_snapshot = state.last_seq
+        self._snapshots = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rolloutlog-snap")
+        self._snapshot_future: Future[None] | None = None
+        self.snapshot_failures = 0
+        self.snapshots_written = 0
+        self._lock = threading.RLock()
+        #: Called with the (offset, event) pairs of every executed command.
+        self.listeners: list[Callable[[list[tuple[int, RolloutEvent]]], None]] = []
+
+    # ------------------------------------------------------------------ opening
+    @classmethod
+    def start(
+        cls,
+        store: EventStore,
+        run_id: str,
+        rollout: RolloutConfig,
+        *,
+        dataset_fingerprint: str,
+        dataset_size: int,
+        store_config: StoreConfig | None = None,
+        clock: Clock | None = None,
+    ) -> RolloutController:
+        """Create a new run and return its controller (epoch 1)."""
+        fp = run_fingerprint(rollout, dataset_fingerprint)
+        store.create_run(
+            run_id,
+            config_fingerprint=fp,
+            config_json=json.dumps(
+                {"rollout": rollout.model_dump(), "dataset_fingerprint": dataset_fingerprint}
+            ),
+        )
+        ctl = cls(store, RunState(), run_id=run_id, epoch=1, store_config=store_config, clock=clock)
+        ctl.execute(
+            StartRun(
+                run_id=run_id,
+                rollout=rollout,
+                config_fingerprint=fp,
+                dataset_fingerprint=dataset_fingerprint,
+                dataset_size=dataset_size,
+            )
+        )
+        ctl.flush()
+        return ctl
+
+    @classmethod
+    def open(
+        cls,
+        store: EventStore,
+        run_id: str,
+        *,
+        store_config: StoreConfig | None = None,
+        clock: Clock | None = None,
+    ) -> RolloutController:
+        """Take over a run where it stands, in a new epoch (older writers are fenced)."""
+        info = store.get_run(run_id)
+        result = replay(store, run_id)
+        check_invariants(result.state)
+        epoch = store.open_epoch(run_id, expected_epoch=info.current_epoch)
+        ctl = cls(
+            store,
+            result.state,
+            run_id=run_id,
+            epoch=epoch,
+            store_config=store_config,
+            clock=clock,
+        )
+        ctl.execute(Resume(epoch=epoch))
+        ctl.flush()
+        return ctl
+
+    @classmethod
+    def restore(
+        cls,
+        store: EventStore,
+        run_id: str,
+        offset: int | None,
+        *,
+        rollout: RolloutConfig | None = None,
+        dataset_fingerprint: str | None = None,
+        mode: Literal["salvage", "strict"] = "salvage",
+        force: bool = False,
+        store_config: StoreConfig | None = None,
+        clock: Clock | None = None,
+    ) -> tuple[RolloutController, RecoveryReport]:
+        """Restore the run to the checkpoint at ``offset`` in a new epoch.
+
+        ``rollout``/``dataset_fingerprint``: the caller's config; a fingerprint that
+        differs from the run's is refused unless ``force``. ``mode="salvage"`` reuses
+        completions recorded after the offset by weights the restored trainer still has.
+        """
+        timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+        info = store.get_run(run_id)
+        if offset is None:
+            raise RestoreError(
+                f"restore of run {run_id!r} needs the checkpoint offset that checkpoint() "
+                "returned (stored with your model checkpoint)"
+            )
+        if not 1 <= offset <= info.last_seq:
+            raise RestoreError(
+                f"offset {offset} is outside run {run_id!r}, whose log holds 1..{info.last_seq}"
+            )
+        _check_fingerprint(info, rollout, dataset_fingerprint, force)
+        result = replay(store, run_id, offset)
+        timings["load_snapshot"] = result.load_seconds
+        timings["replay"] = result.replay_seconds
+        state = result.state
+        t1 = time.perf_counter()
+        marker = _checkpoint_marker(store, run_id, offset) if not force else None
+        if marker is None and not force:
+            raise RestoreError(
+                f"offset {offset} of run {run_id!r} is not a CheckpointMarked event; pass the "
+                "offset checkpoint() returned, or force"
+            )
+        if marker is not None:
+            _check_cursors(state, marker, offset)
+        check_invariants(state)
+        timings["check"] = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        salvage = _salvageable(store, run_id, offset) if mode == "salvage" else ()
+        timings["salvage_scan"] = time.perf_counter() - t2
+        t3 = time.perf_counter()
+        epoch = store.open_epoch(run_id, expected_epoch=info.current_epoch, resume_seq=offset)
+        ctl = cls(store, state, run_id=run_id, epoch=epoch, store_config=store_config, clock=clock)
+        restored = ctl.execute(
+            Restore(from_offset=offset, epoch=epoch, mode=mode, forced=force, salvage=salvage)
+        )
+        evicted = ctl.execute(EvictStale(reason="recovered group stale after restore"))
+        ctl.flush()
+        timings["append"] = time.perf_counter() - t3
+        timings["total"] = time.perf_counter() - t0
+        head = restored[0][1]
+        report = RecoveryReport(
+            run_id=run_id,
+            from_offset=offset,
+            epoch=epoch,
+            mode=mode,
+            granularity=state.rules.recovery_granularity,
+            complete_groups_restored=head.complete_groups_restored,  # type: ignore[attr-defined]
+            unfinished_groups_found=head.unfinished_groups_found,  # type: ignore[attr-defined]
+            siblings_reused=head.siblings_reused,  # type: ignore[attr-defined]
+            siblings_rerun=head.siblings_rerun,  # type: ignore[attr-defined]
+            siblings_salvaged=head.siblings_salvaged,  # type: ignore[attr-defined]
+            groups_evicted_stale=sum(1 for _, e in evicted if e.event_type == "GroupEvicted"),
+            snapshot_offset=result.snapshot_offset,
+            events_replayed=result.events_replayed,
+            timings=timings,
+        )
+        return ctl, report
+
+    # ------------------------------------------------------------------ commands
+    def execute(
+        self, command: Command, payload_puts: tuple[PayloadPut, ...] = ()
+    ) -> list[tuple[int, RolloutEvent]]:
+        """Decide, append (group commit), apply. Returns the (offset, event) pairs.
+
+        The events are durable only after the next :meth:`flush`.
+        """
+        with self._lock:
+            events = decide(self.state, command)
+            if not events:
+                return []
+            now = self.clock()
+            rows = []
+            ts, wv = self.state.train_step, self.state.weight_version
+            for ev in events:
+                rows.append(CODEC.encode(ev, recorded_at=now, train_step=ts, weight_version=wv))
+            last = self.committer.submit(rows, payload_puts)
+            first = last - len(rows) + 1
+            applied = []
+            for i, ev in enumerate(events):
+                evolve(self.state, ev, first + i)
+                applied.append((first + i, ev))
+            self._maybe_snapshot()
+        for listener in self.listeners:
+            try:
+                listener(applied)
+            except Exception:  # telemetry must never kill a run
+                log.exception("event listener failed")
+        return applied
+
+    def flush(self) -> int:
+        """Block until every executed command's events are durable; return that offset."""
+        return self.committer.flush()
+
+    async def aflush(self) -> int:
+        """Await durability of every executed command's events."""
+        return await self.committer.aflush()
+
+    def checkpoint(self, train_step: int) -> int:
+        """Mark a checkpoint after ``train_step`` trained steps; return its durable offset."""
+        applied = self.execute(MarkCheckpoint(train_step=train_step))
+        offset = applied[-1][0]
+        self.flush()
+        return offset
+
+    def check(self) -> None:
+        """Raise the first invariant violation of the live state, if any."""
+        check_invariants(self.state)
+
+    # ------------------------------------------------------------------ snapshots
+    def _maybe_snapshot(self) -> None:
+        interval = self.store_config.snapshot_interval
+        if interval <= 0 or self.state.last_seq - self._last_snapshot < interval:
+            return
+        if self._snapshot_future is not None and not self._snapshot_future.done():
+            return  # one at a time; the next is due soon enough
+        seq = self.state.last_seq
+        self._last_snapshot = seq
+        try:
+            data = encode_snapshot(self.state)
+        except Exception:
+            self.snapshot_failures += 1
+            log.exception("encoding the snapshot at offset %s failed; the run goes on", seq)
+            return
+        self._snapshot_future = self._snapshots.submit(self._write_snapshot, seq, data)
+
+    def _write_snapshot(self, seq: int, data: bytes) -> None:
+        try:
+            # A snapshot may only describe durable history.
+            while self.committer.durable_seq < seq:
+                self.committer.flush(timeout=30)
+            self.store.save_snapshot(self.run_id, seq, SNAPSHOT_SCHEMA_VERSION, data)
+            self.snapshots_written += 1
+        except Exception:
+            self.snapshot_failures += 1
+            log.exception("writing the snapshot at offset %s failed; the run goes on", seq)
+
+    def snapshot_now(self) -> int:
+        """Write a snapshot of the current state synchronously; return its offset."""
+        self.flush()
+        seq = self.state.last_seq
+        self.store.save_snapshot(
+            self.run_id, seq, SNAPSHOT_SCHEMA_VERSION, encode_snapshot(self.state)
+        )
+        self._last_snapshot = seq
+        return seq
+
+    def close(self) -> None:
+        """Flush, finish the pending snapshot and stop the commit thread."""
+        try:
+            self.committer.close()
+        finally:
+            self._snapshots.shutdown(wait=True)
+
+
+def _check_fingerprint(
+    info: RunInfo, rollout: RolloutConfig | None, dataset_fp: str | None, force: bool
+) -> None:
+    if rollout is None or force:
+        return
+    stored = json.loads(info.config_json)
+    expected = run_fingerprint(
+        rollout, dataset_fp if dataset_fp is not None else stored["dataset_fingerprint"]
+    )
+    if expected != info.config_fingerprint:
+        stored_rollout = stored.get("rollout", {})
+        diff = sorted(
+            k
+            for k in set(stored_rollout) | set(rollout.model_dump())
+            if stored_rollout.get(k) != rollout.model_dump().get(k)
+        )
+        what = f"fields that differ: {', '.join(diff)}" if diff else "the dataset differs"
+        raise RestoreError(
+            f"config fingerprint mismatch for run {info.run_id!r} ({what}); restore with the "
+            "run's own config, or force"
+        )
+
+
+def _checkpoint_marker(store: EventStore, run_id: str, offset: int) -> CheckpointMarked | None:
+    rows = list(store.read(run_id, offset, offset))
+    if not rows or rows[0].type != CheckpointMarked.event_type:
+        return None
+    event = CODEC.decode(rows[0])
+    assert isinstance(event, CheckpointMarked)
+    return event
+
+
+def _check_cursors(state: RunState, marker: CheckpointMarked, offset: int) -> None:
+    """The checkpoint's recorded cursors must cover the work the log restores."""
+    stamps = [g.target_step for g in state.groups.values() if g.target_step is not None]
+    newest = max(stamps, default=-1)
+    if marker.dispatch_cursor <= newest:
+        culprit = next(g for g in state.groups.values() if g.target_step == newest)
+        raise CursorBehindError(
+            f"checkpoint at offset {offset}: field dispatch_cursor={marker.dispatch_cursor} is "
+            f"stale, the restored buffer holds group {culprit.group_id} (prompt "
+            f"{culprit.prompt_index}) stamped for step {newest}; refusing to restore rather "
+            "than drop prompts",
+            groups=(culprit.group_id,),
+            offset=offset,
+        )
+    if marker.dataset_cursor < state.dataset_cursor:
+        raise CursorBehindError(
+            f"checkpoint at offset {offset}: field dataset_cursor={marker.dataset_cursor} is "
+            f"behind the {state.dataset_cursor} prompts the restored state has pulled",
+            offset=offset,
+        )
+    if (marker.dispatch_cursor, marker.dataset_cursor) != (
+        state.dispatch_cursor,
+        state.dataset_cursor,
+    ):
+        raise CursorBehindError(
+            f"checkpoint at offset {offset} records dispatch_cursor={marker.dispatch_cursor}, "
+            f"dataset_cursor={marker.dataset_cursor} but replay gives "
+            f"{state.dispatch_cursor}, {state.dataset_cursor}",
+            offset=offset,
+        )
+    violations = [v for v in find_violations(state) if isinstance(v, CursorBehindError)]
+    if violations:
+        raise violations[0]
+
+
+def _salvageable(store: EventStore, run_id: str, offset: int) -> tuple[SalvagedCompletion, ...]:
+    """Completions recorded after ``offset`` in the current history."""
+    out = []
+    for first, last in store.history_segments(run_id):
+        if last <= offset:
+            continue
+        for row in store.read(run_id, max(first, offset + 1), last):
+            if row.type != SiblingCompleted.event_type:
+                continue
+            ev = CODEC.decode(row)
+            assert isinstance(ev, SiblingCompleted)
+            out.append(
+                SalvagedCompletion(
+                    offset=row.seq,
+                    group_id=ev.group_id,
+                    sibling=ev.sibling,
+                    attempt=ev.attempt,
+                    weight_version=ev.weight_version,
+                    prompt_tokens=ev.prompt_tokens,
+                    completion_tokens=ev.completion_tokens,
+                    reward=ev.reward,
+                    payload_id=ev.payload_id,
+                    finish_reason=ev.finish_reason,
+                )
+            )
+    return tuple(out)

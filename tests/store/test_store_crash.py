@@ -1,0 +1,105 @@
+"""Crash atomicity with real process kills: a batch is all there or not at all.
+
+A child process (``store_worker.py crash``) appends large batches in a loop and prints
+every acknowledged last sequence; the parent SIGKILLs it at a random moment, reopens
+the store and checks the log: no acknowledged event lost, no torn batch, no gap.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+import sqlalchemy as sa
+from storetest_helpers import REPO_ROOT, worker_cmd
+
+from eventstore import EventStore
+
+BATCH = 300
+PAD = 400  # bytes of padding per event: ~120 KB per transaction
+
+
+def _kill_rounds(url: str, rounds: int, seed: int) -> list[tuple[int, int]]:
+    rng = random.Random(seed)
+    with EventStore.open(url) as store:
+        store.create_run("crash")
+    history: list[tuple[int, int]] = []  # (max acknowledged seq, last_seq after reopen)
+    for round_no in range(rounds):
+        child = subprocess.Popen(
+            worker_cmd("crash", url, "crash", str(BATCH), str(PAD)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO_ROOT,
+        )
+        acks: list[int] = []
+        first_ack = threading.Event()
+
+        def pump(child: subprocess.Popen[str] = child, acks: list[int] = acks, ev=first_ack) -> None:  # type: ignore[no-untyped-def]
+            assert child.stdout is not None
+            for line in child.stdout:
+                acks.append(int(line))
+                ev.set()
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            assert first_ack.wait(60), f"child never acknowledged: {child.stderr.read()[-3000:]}"  # type: ignore[union-attr]
+            wanted = rng.randint(1, 6)
+            deadline = time.monotonic() + 30
+            while len(acks) < wanted and time.monotonic() < deadline and child.poll() is None:
+                time.sleep(0.001)
+            time.sleep(rng.uniform(0, 0.03))  # land anywhere inside the next transaction
+            assert child.poll() is None, child.stderr.read()[-3000:]  # type: ignore[union-attr]
+            os.kill(child.pid, signal.SIGKILL)
+            child.wait(30)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait(30)
+        reader.join(30)
+        assert child.returncode == -signal.SIGKILL
+        assert acks == sorted(acks) and acks, acks
+
+        with EventStore.open(url) as store:
+            last = store.last_seq("crash")
+            engine = sa.create_engine(url)
+            with engine.connect() as conn:
+                count = conn.execute(
+                    sa.text("SELECT COUNT(*) FROM events WHERE run_id = 'crash'")
+                ).scalar_one()
+                if url.startswith("sqlite"):
+                    assert conn.exec_driver_sql("PRAGMA integrity_check").scalar_one() == "ok"
+            engine.dispose()
+            assert count == last, f"round {round_no}: {count} rows but last_seq {last}"
+            assert last >= acks[-1], f"round {round_no}: acknowledged {acks[-1]}, log has {last}"
+            assert last % BATCH == 0, f"round {round_no}: torn batch, last_seq {last}"
+            seqs = []
+            for ev in store.read("crash"):
+                assert json.loads(ev.payload)["seq"] == ev.seq == ev.train_step
+                seqs.append(ev.seq)
+            assert seqs == list(range(1, last + 1))
+        if history:
+            assert last >= history[-1][1]
+        history.append((acks[-1], last))
+    return history
+
+
+@pytest.mark.slow
+def test_sigkill_never_tears_a_batch_sqlite(sqlite_url: str) -> None:
+    history = _kill_rounds(sqlite_url, rounds=10, seed=20261130)
+    assert len(history) == 10
+    assert history[-1][1] >= 10 * BATCH  # every round acknowledged at least one batch
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+def test_sigkill_never_tears_a_batch_postgres(pg_url: str) -> None:
+    history = _kill_rounds(pg_url, rounds=3, seed=7)
+    assert history[-1][1] >= 3 * BATCH

@@ -1,0 +1,243 @@
+"""Contract of the GroupCommitter: sequences at once, durability at flush, batching, failure."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from storetest_helpers import make_batch, make_event
+
+from eventstore import (
+    AppendConflictError,
+    EpochFencedError,
+    EventStore,
+    GroupCommitClosedError,
+    GroupCommitter,
+    PayloadNotFoundError,
+    PayloadPut,
+)
+
+
+@pytest.fixture
+def committers():  # type: ignore[no-untyped-def]
+    """Factory of committers, each closed (without flushing) at teardown."""
+    made: list[GroupCommitter] = []
+
+    def _make(store: EventStore, run_id: str = "r1", **kw: object) -> GroupCommitter:
+        kw.setdefault("epoch", 1)
+        kw.setdefault("next_seq", store.last_seq(run_id) + 1)
+        gc = GroupCommitter(store, run_id, **kw)  # type: ignore[arg-type]
+        made.append(gc)
+        return gc
+
+    yield _make
+    for gc in made:
+        gc.close(flush=False)
+
+
+def test_submit_returns_sequences_before_durability(db_url, open_store, committers) -> None:  # type: ignore[no-untyped-def]
+    store = open_store(db_url)
+    store.create_run("r1")
+    other = open_store(db_url)
+    gc = committers(store, window_s=0.5)
+    assert (gc.next_seq, gc.durable_seq) == (1, 0)
+    started = time.monotonic()
+    assert gc.submit(make_batch(1, 3)) == 3
+    assert gc.submit(make_batch(4, 1)) == 4
+    assert gc.submit([]) == 4
+    assert time.monotonic() - started < 0.25  # submit does not wait for the disk
+    assert gc.next_seq == 5
+    # Inside the commit window nothing is durable yet.
+    assert gc.durable_seq == 0
+    assert other.last_seq("r1") == 0
+    assert gc.flush() == 4
+    assert gc.durable_seq == 4
+    assert [e.payload for e in other.read("r1")] == [e.payload for e in make_batch(1, 4)]
+    assert len(gc.commit_seconds) == 1  # one window, one transaction
+
+
+def test_flush_returns_only_once_durable(db_url, open_store, committers) -> None:  # type: ignore[no-untyped-def]
+    store = open_store(db_url)
+    store.create_run("r1")
+    store.append("r1", make_batch(1, 2), expected_seq=1, epoch=1)
+    gc = committers(store, window_s=0.05)
+    assert gc.next_seq == 3
+    other = open_store(db_url)  # a second store on the same URL: its own connections
+    nxt = 3
+    for n in (1, 4, 2, 7):
+        last = gc.submit(make_batch(nxt, n))
+        assert last == nxt + n - 1
+        assert gc.flush() == last
+        assert other.last_seq("r1") == last
+        got = list(other.read("r1", nxt))
+        assert [e.seq for e in got] == list(range(nxt, last + 1))
+        assert [e.payload for e in got] == [e.payload for e in make_batch(nxt, n)]
+        nxt = last + 1
+    assert gc.flush() == nxt - 1  # nothing new: returns at once
+
+
+def test_close_flushes_and_refuses_more(db_url, open_store, committers) -> None:  # type: ignore[no-untyped-def]
+    store = open_store(db_url)
+    store.create_run("r1")
+    gc = committers(store, window_s=0.3)
+    gc.submit(make_batch(1, 5))
+    gc.close()
+    assert open_store(db_url).last_seq("r1") == 5
+    with pytest.raises(GroupCommitClosedError, match="closed"):
+        gc.submit(make_batch(6, 1))
+    assert store.last_seq("r1") == 5
+
+
+def test_aflush_from_asyncio(db_url, open_store, committers) -> None:  # type: ignore[no-untyped-def]
+    store = open_store(db_url)
+    store.create_run("r1")
+    other = open_store(db_url)
+    gc = committers(store, window_s=0.2)
+
+    async def main() -> tuple[int, int, int]:
+        ticks = 0
+        stop = asyncio.Event()
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while not stop.is_set():
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        task = asyncio.create_task(ticker())
+        last = gc.submit(make_batch(1, 6))
+        durable = await gc.aflush()
+        stop.set()
+        await task
+        again = await gc.aflush()  # nothing pending: immediate
+        return last, durable, again if ticks > 5 else -ticks
+
+    last, durable, again = asyncio.run(main())
+    assert (last, durable) == (6, 6)
+    assert again == 6, "the event loop was blocked while aflush waited"
+    assert other.last_seq("r1") == 6
+
+
+def test_many_submits_share_few_transactions(db_url, open_store, committers) -> None:  # type: ignore[no-untyped-def]
+    store = open_store(db_url)
+    store.create_run("r1")
+    gc = committers(store, window_s=0.02)
+    n = 2000
+    for i in range(1, n + 1):
+        assert gc.submit([make_event(i)]) == i
+    assert gc.flush() == n
+    transactions = len(gc.commit_seconds)
+    assert 1 <= transactions <= n // 20, transactions
+    assert all(s >= 0 for s in gc.commit_seconds)
+    got = list(store.read("r1"))
+    assert [e.seq for e in got] == list(range(1, n + 1))
+    assert [e.payload for e in got] == [make_event(i).payload for i in range(1, n + 1)]
+
+
+def test_max_batch_splits_transactions(db_url, open_store, committers) -> None:  # type: ignore[no-untyped-def]
+    store = open_store(db_url)
+    store.create_run("r1")
+    gc = committers(store, max_batch=10, window_s=0.01)
+    assert gc.submit(make_batch(1, 25)) == 25
+    assert gc.flush() == 25
+    assert len(gc.commit_seconds) >= 3
+    assert [e.seq for e in store.read("r1")] == list(range(1, 26))
+
+
+def test_submitted_payloads_are_durable_with_their_events(db_url, open_store, committers) -> None:  # type: ignore[no-untyped-def]
+    store = open_store(db_url)
+    store.create_run("r1")
+    gc = committers(store, window_s=0.01)
+    gc.submit(make_batch(1, 2), [PayloadPut("tok-1", "tokens", b"\x01\x02\x03")])
+    gc.submit(make_batch(3, 1), [PayloadPut("tok-2", "tokens", b"")])
+    gc.flush()
+    other = open_store(db_url)
+    assert other.get_payload("r1", "tok-1") == b"\x01\x02\x03"
+    assert other.get_payload("r1", "tok-2") == b""
+    with pytest.raises(ValueError, match="together"):
+        gc.submit([], [PayloadPut("orphan", "tokens", b"x")])
+    with pytest.raises(PayloadNotFoundError):
+        other.get_payload("r1", "orphan")
+
+
+def test_fenced_writer_fails_flush_and_later_submits(db_url, open_store, committers) -> None:  # type: ignore[no-untyped-def]
+    store = open_store(db_url)
+    store.create_run("r1")
+    gc = committers(store, window_s=0.01)
+    gc.submit(make_batch(1, 3))
+    assert gc.flush() == 3
+    # A restore elsewhere opens epoch 2: this committer (epoch 1) is fenced.
+    rival = open_store(db_url)
+    assert rival.open_epoch("r1") == 2
+    gc.submit(make_batch(4, 2), [PayloadPut("lost", "tokens", b"x")])
+    with pytest.raises(GroupCommitClosedError) as info:
+        gc.flush(timeout=30)
+    cause = info.value.__cause__
+    assert isinstance(cause, EpochFencedError)
+    assert (cause.writer_epoch, cause.current_epoch) == (1, 2)
+    assert "fenced" in str(info.value)
+    with pytest.raises(GroupCommitClosedError) as later:
+        gc.submit(make_batch(6, 1))
+    assert isinstance(later.value.__cause__, EpochFencedError)
+    with pytest.raises(GroupCommitClosedError):
+        gc.flush()
+    with pytest.raises(GroupCommitClosedError):
+        asyncio.run(gc.aflush())
+    assert gc.durable_seq == 3
+    gc.close()  # does not hang or raise after a failure
+    assert rival.last_seq("r1") == 3
+    assert [e.seq for e in rival.read("r1")] == [1, 2, 3]
+    with pytest.raises(PayloadNotFoundError):
+        rival.get_payload("r1", "lost")
+
+
+def test_conflicting_writer_fails_the_committer(db_url, open_store, committers) -> None:  # type: ignore[no-untyped-def]
+    store = open_store(db_url)
+    store.create_run("r1")
+    gc = committers(store, window_s=0.3)
+    gc.submit(make_batch(1, 2))
+    # Someone else appends sequence 1 first (a second controller without fencing).
+    open_store(db_url).append("r1", make_batch(100, 1), expected_seq=1, epoch=1)
+    with pytest.raises(GroupCommitClosedError) as info:
+        gc.flush(timeout=30)
+    assert isinstance(info.value.__cause__, AppendConflictError)
+    assert [e.payload for e in store.read("r1")] == [make_event(100).payload]
+
+
+def test_aflush_waiting_when_the_writer_fails(db_url, open_store, committers) -> None:  # type: ignore[no-untyped-def]
+    store = open_store(db_url)
+    store.create_run("r1")
+    gc = committers(store, window_s=0.3)
+    open_store(db_url).open_epoch("r1")
+
+    async def main() -> BaseException:
+        gc.submit(make_batch(1, 2))
+        try:
+            await asyncio.wait_for(gc.aflush(), timeout=30)
+        except GroupCommitClosedError as exc:
+            return exc
+        raise AssertionError("aflush succeeded for a fenced writer")
+
+    err = asyncio.run(main())
+    assert isinstance(err.__cause__, EpochFencedError)
+    assert store.last_seq("r1") == 0
+
+
+def test_flush_timeout(db_url, open_store, committers) -> None:  # type: ignore[no-untyped-def]
+    store = open_store(db_url)
+    store.create_run("r1")
+    gc = committers(store, window_s=1.0)
+    gc.submit(make_batch(1, 1))
+    with pytest.raises(TimeoutError):
+        gc.flush(timeout=0.05)
+    assert gc.flush(timeout=30) == 1
+
+
+def test_constructor_validation(db_url, open_store) -> None:  # type: ignore[no-untyped-def]
+    store = open_store(db_url)
+    store.create_run("r1")
+    with pytest.raises(ValueError, match="max_batch"):
+        GroupCommitter(store, "r1", epoch=1, next_seq=1, max_batch=0)
+    with pytest.raises(ValueError, match="window_s"):
+        GroupCommitter(store, "r1", epoch=1, next_seq=1, window_s=-1)

@@ -1,0 +1,240 @@
+"""The alembic migrations on both dialects: up, down, up again; agreement with schema.py;
+and the store's refusal of a database at another revision."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy.engine import Connection, Engine
+
+from eventstore import EventStore, NewEvent, SchemaMismatchError, migrate
+from eventstore.schema import metadata
+
+OWN_TABLES = set(metadata.tables)
+FUTURE_REVISION = "ffff_next_for_tests"
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[Engine]:
+    """An engine on the (empty) test database, made the way the store makes it."""
+    store = EventStore.open(db_url, check_schema=False)
+    yield store.engine
+    store.close()
+
+
+def tables_of(engine: Engine) -> set[str]:
+    """Names of the tables in the database."""
+    with engine.connect() as conn:
+        return set(sa.inspect(conn).get_table_names())
+
+
+def revision_of(engine: Engine) -> str | None:
+    """The database's alembic revision."""
+    with engine.connect() as conn:
+        return migrate.current_revision(conn)
+
+
+def set_revision(engine: Engine, revision: str) -> None:
+    """Overwrite the stored alembic revision (as another rolloutlog version would leave it)."""
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE alembic_version SET version_num = :r"), {"r": revision})
+
+
+def make_next_revision_dir(tmp_path: Path) -> Path:
+    """A copy of the shipped migrations plus one newer revision that adds a table.
+
+    Code pointed at this folder behaves like a newer rolloutlog whose head is one
+    revision past the shipped head.
+    """
+    target = tmp_path / "migrations_next"
+    shutil.copytree(
+        migrate.migrations_dir(), target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+    )
+    (target / "versions" / f"{FUTURE_REVISION}.py").write_text(
+        f'''"""A revision past the shipped head, for tests."""
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "{FUTURE_REVISION}"
+down_revision = "{migrate.head_revision()}"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    op.create_table("test_next", sa.Column("id", sa.Integer(), primary_key=True))
+
+
+def downgrade() -> None:
+    op.drop_table("test_next")
+'''
+    )
+    return target
+
+
+def test_upgrade_from_empty_downgrade_to_base_and_upgrade_again(
+    engine: Engine, db_url: str
+) -> None:
+    head = migrate.head_revision()
+    assert tables_of(engine) == set()
+    assert revision_of(engine) is None
+
+    migrate.upgrade(engine)
+    assert revision_of(engine) == head
+    assert tables_of(engine) == OWN_TABLES | {"alembic_version"}
+    assert migrate.check(engine) == head
+
+    migrate.downgrade(engine, "base")
+    assert revision_of(engine) is None
+    assert tables_of(engine) & OWN_TABLES == set(), "downgrade to base must drop every table"
+    with pytest.raises(SchemaMismatchError, match="rolloutlog db upgrade"):
+        migrate.check(engine)
+
+    migrate.upgrade(engine)
+    assert revision_of(engine) == head
+    assert tables_of(engine) == OWN_TABLES | {"alembic_version"}
+    # The re-created schema works end to end.
+    with EventStore.open(db_url, create=False) as store:
+        store.create_run("r")
+        now = datetime.now(UTC)
+        store.append("r", [NewEvent("T", 1, '{"a": 1}', now)], expected_seq=1, epoch=1)
+        assert [e.payload for e in store.read("r")] == ['{"a": 1}']
+
+
+def _compiled_columns(conn: Connection, table: str) -> dict[str, tuple[str, bool]]:
+    dialect = conn.dialect
+    return {
+        c["name"]: (str(c["type"].compile(dialect=dialect)), bool(c["nullable"]))
+        for c in sa.inspect(conn).get_columns(table)
+    }
+
+
+def _reflected_indexes(conn: Connection, table: str) -> dict[str, tuple[tuple[str, ...], bool]]:
+    return {
+        str(ix["name"]): (tuple(str(c) for c in ix["column_names"]), bool(ix["unique"]))
+        for ix in sa.inspect(conn).get_indexes(table)
+    }
+
+
+def _diff(conn: Connection, md: sa.MetaData) -> list[Any]:
+    ctx = MigrationContext.configure(
+        conn, opts={"compare_type": True, "compare_server_default": True}
+    )
+    return list(compare_metadata(ctx, md))
+
+
+def test_schema_tables_agree_with_migrations(engine: Engine) -> None:
+    migrate.upgrade(engine)
+    with engine.connect() as conn:
+        # alembic's own comparison: tables, columns, types, nullability, defaults, indexes.
+        assert _diff(conn, metadata) == []
+        # What alembic does not compare: primary-key names and columns. And, to be strict
+        # about types on every dialect, the DDL each column type compiles to (on SQLite a
+        # DateTime(timezone=True) compiles to DATETIME either way, which is correct).
+        inspector = sa.inspect(conn)
+        assert set(inspector.get_table_names()) - {"alembic_version"} == OWN_TABLES
+        for name, table in metadata.tables.items():
+            want_cols = {
+                c.name: (str(c.type.compile(dialect=conn.dialect)), bool(c.nullable))
+                for c in table.columns
+            }
+            assert _compiled_columns(conn, name) == want_cols, name
+            pk = inspector.get_pk_constraint(name)
+            assert pk["name"] == table.primary_key.name, name
+            assert pk["constrained_columns"] == [c.name for c in table.primary_key.columns]
+            want_ix = {
+                str(ix.name): (tuple(c.name for c in ix.columns), bool(ix.unique))
+                for ix in table.indexes
+            }
+            assert _reflected_indexes(conn, name) == want_ix, name
+
+
+def _mutated(kind: str) -> sa.MetaData:
+    md = sa.MetaData(naming_convention=dict(metadata.naming_convention))
+    for table in metadata.sorted_tables:
+        table.to_metadata(md)
+    events = md.tables["events"]
+    if kind == "bigint_to_int":
+        events.c.seq.type = sa.Integer()
+    elif kind == "string_length":
+        events.c.type.type = sa.String(32)
+    elif kind == "nullable":
+        events.c.train_step.nullable = False
+    elif kind == "missing_index":
+        events.indexes.discard(next(ix for ix in events.indexes if ix.name))
+    elif kind == "blob_to_text":
+        md.tables["payloads"].c.data.type = sa.Text()
+    elif kind == "extra_column":
+        sa.Table("runs", md, sa.Column("extra", sa.Integer), extend_existing=True)
+    return md
+
+
+@pytest.mark.parametrize(
+    "kind",
+    ["bigint_to_int", "string_length", "nullable", "missing_index", "blob_to_text", "extra_column"],
+)
+def test_schema_comparison_is_not_vacuous(engine: Engine, kind: str) -> None:
+    """The comparison above would catch a drift of each kind on this dialect."""
+    migrate.upgrade(engine)
+    with engine.connect() as conn:
+        assert _diff(conn, _mutated(kind)) != []
+
+
+def test_open_creates_schema_on_empty_database_only_when_asked(db_url: str) -> None:
+    with pytest.raises(SchemaMismatchError, match="rolloutlog db upgrade"):
+        EventStore.open(db_url, create=False)
+    with EventStore.open(db_url) as store:
+        with store.engine.connect() as conn:
+            assert migrate.current_revision(conn) == migrate.head_revision()
+
+
+def test_open_refuses_older_revision_and_names_the_upgrade_command(
+    engine: Engine, db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shipped_head = migrate.head_revision()
+    migrate.upgrade(engine)
+    # A newer rolloutlog (head one revision further) meets this database.
+    next_dir = make_next_revision_dir(tmp_path)
+    monkeypatch.setattr(migrate, "migrations_dir", lambda: next_dir)
+    assert migrate.head_revision() == FUTURE_REVISION
+    for kwargs in ({}, {"create": False}, {"readonly": True, "create": False}):
+        with pytest.raises(SchemaMismatchError) as err:
+            EventStore.open(db_url, **kwargs)
+        msg = str(err.value)
+        assert "rolloutlog db upgrade" in msg, kwargs
+        assert repr(shipped_head) in msg and repr(FUTURE_REVISION) in msg
+    assert revision_of(engine) == shipped_head, "a refused open must not migrate"
+    # After the upgrade the newer code opens it.
+    migrate.upgrade(engine)
+    assert revision_of(engine) == FUTURE_REVISION
+    assert "test_next" in tables_of(engine)
+    EventStore.open(db_url).close()
+    # And the extra revision downgrades cleanly back to the shipped head.
+    migrate.downgrade(engine, shipped_head)
+    assert "test_next" not in tables_of(engine)
+
+
+def test_open_refuses_unknown_newer_revision(engine: Engine, db_url: str) -> None:
+    migrate.upgrade(engine)
+    set_revision(engine, "zzzz_unknown")
+    for kwargs in ({}, {"create": False}):
+        with pytest.raises(SchemaMismatchError, match="newer rolloutlog") as err:
+            EventStore.open(db_url, **kwargs)
+        assert "zzzz_unknown" in str(err.value)
+
+
+def test_open_refuses_foreign_tables_without_revision(engine: Engine, db_url: str) -> None:
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE runs (x INTEGER)")
+    with pytest.raises(SchemaMismatchError, match="not created by rolloutlog"):
+        EventStore.open(db_url)
+    assert revision_of(engine) is None
