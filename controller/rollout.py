@@ -485,29 +485,49 @@ def _check_cursors(state: RunState, marker: CheckpointMarked, offset: int) -> No
         raise violations[0]
 
 
+def _descendant_rows(store: EventStore, run_id: str, offset: int) -> Iterator[StoredEvent]:
+    """Rows recorded after ``offset`` by histories that continue from it.
+
+    When ``offset`` lies in the current history, that is the rest of the current history.
+    When a later restore abandoned the branch ``offset`` lies on, only the epoch that wrote
+    ``offset`` continued from it (its rows after ``offset``): rows of other branches were
+    generated from another state, possibly by other weights under the same version number.
+    """
+    current = store.history_segments(run_id)
+    if any(first <= offset <= last for first, last in current):
+        for first, last in current:
+            if last > offset:
+                yield from store.read(run_id, max(first, offset + 1), last)
+        return
+    at = next(iter(store.read(run_id, offset, offset)), None)
+    if at is None:
+        return
+    for row in store.read(run_id, offset + 1):
+        if row.epoch != at.epoch:
+            return  # an epoch writes one contiguous range: its continuation ends here
+        yield row
+
+
 def _salvageable(store: EventStore, run_id: str, offset: int) -> tuple[SalvagedCompletion, ...]:
-    """Completions recorded after ``offset`` in the current history."""
+    """Completions recorded after ``offset`` by histories that continue from it."""
     out = []
-    for first, last in store.history_segments(run_id):
-        if last <= offset:
+    for row in _descendant_rows(store, run_id, offset):
+        if row.type != SiblingCompleted.event_type:
             continue
-        for row in store.read(run_id, max(first, offset + 1), last):
-            if row.type != SiblingCompleted.event_type:
-                continue
-            ev = CODEC.decode(row)
-            assert isinstance(ev, SiblingCompleted)
-            out.append(
-                SalvagedCompletion(
-                    offset=row.seq,
-                    group_id=ev.group_id,
-                    sibling=ev.sibling,
-                    attempt=ev.attempt,
-                    weight_version=ev.weight_version,
-                    prompt_tokens=ev.prompt_tokens,
-                    completion_tokens=ev.completion_tokens,
-                    reward=ev.reward,
-                    payload_id=ev.payload_id,
-                    finish_reason=ev.finish_reason,
-                )
+        ev = CODEC.decode(row)
+        assert isinstance(ev, SiblingCompleted)
+        out.append(
+            SalvagedCompletion(
+                offset=row.seq,
+                group_id=ev.group_id,
+                sibling=ev.sibling,
+                attempt=ev.attempt,
+                weight_version=ev.weight_version,
+                prompt_tokens=ev.prompt_tokens,
+                completion_tokens=ev.completion_tokens,
+                reward=ev.reward,
+                payload_id=ev.payload_id,
+                finish_reason=ev.finish_reason,
             )
+        )
     return tuple(out)

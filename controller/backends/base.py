@@ -10,7 +10,7 @@ all of them, so the test backend is exactly as strict as the real ones.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -132,13 +132,48 @@ class GenerationBackend(Protocol):
         ...
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def validate_request(request: GroupRequest, vocab_size: int, max_model_len: int) -> None:
-    """The request half of the contract, enforced identically by every backend."""
+    """The request half of the contract, enforced identically by every backend.
+
+    Every violation raises :class:`BackendError` with ``retryable=False``: the same
+    request can never succeed on a new attempt.
+    """
     if not request.siblings:
         raise BackendError(f"group {request.group_id}: request names no siblings", retryable=False)
+    bad_specs = [
+        (s.sibling, s.attempt)
+        for s in request.siblings
+        if not (_is_int(s.sibling) and _is_int(s.attempt) and s.sibling >= 0 and s.attempt >= 0)
+    ]
+    if bad_specs:
+        raise BackendError(
+            f"group {request.group_id}: (sibling, attempt) {bad_specs[:5]} must be ints >= 0",
+            retryable=False,
+        )
+    sampling = request.sampling
+    if not _is_int(sampling.max_tokens) or sampling.max_tokens < 1:
+        raise BackendError(
+            f"group {request.group_id}: max_tokens {sampling.max_tokens!r} must be an int >= 1",
+            retryable=False,
+        )
+    if not (math.isfinite(sampling.temperature) and sampling.temperature >= 0):
+        raise BackendError(
+            f"group {request.group_id}: temperature {sampling.temperature!r} must be finite "
+            "and >= 0",
+            retryable=False,
+        )
+    if not 0 < sampling.top_p <= 1:
+        raise BackendError(
+            f"group {request.group_id}: top_p {sampling.top_p!r} must be in (0, 1]",
+            retryable=False,
+        )
     if not request.prompt_token_ids:
         raise BackendError(f"group {request.group_id}: empty prompt", retryable=False)
-    bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab_size]
+    bad = [t for t in request.prompt_token_ids if not (_is_int(t) and 0 <= t < vocab_size)]
     if bad:
         raise BackendError(
             f"group {request.group_id}: prompt token ids {bad[:5]} outside [0, {vocab_size})",
@@ -179,7 +214,8 @@ def validate_results(
             raise MalformedResultError(f"{who}: no tokens generated")
         if len(res.token_ids) > request.sampling.max_tokens:
             raise MalformedResultError(
-                f"{who}: {len(res.token_ids)} tokens exceed max_tokens {request.sampling.max_tokens}"
+                f"{who}: {len(res.token_ids)} tokens exceed max_tokens "
+                f"{request.sampling.max_tokens}"
             )
         for t in res.token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
@@ -189,10 +225,63 @@ def validate_results(
                 f"{who}: {len(res.logprobs)} logprobs for {len(res.token_ids)} tokens"
             )
         for lp in res.logprobs:
-            if not isinstance(lp, float) or math.isnan(lp) or lp > 1e-6:
+            if not isinstance(lp, float) or not math.isfinite(lp) or lp > 1e-6:
                 raise MalformedResultError(f"{who}: logprob {lp!r} is not a finite value <= 0")
         if res.finish_reason not in ("stop", "length"):
             raise MalformedResultError(f"{who}: unknown finish_reason {res.finish_reason!r}")
         if res.weight_version < 0:
             raise MalformedResultError(f"{who}: negative weight version {res.weight_version}")
     return list(results)
+
+
+def validate_weight_update(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    version: int,
+    expected_shapes: Mapping[str, tuple[int, ...]] | None,
+    required: Collection[str] | None = None,
+) -> dict[str, torch.Tensor]:
+    """The ``update_weights`` half of the contract, enforced identically by every backend.
+
+    ``version`` must be an int >= 0. With ``expected_shapes`` (the backend's checkpoint
+    names and shapes), names are strict: an unknown name, a missing one (every name in
+    ``required``, default all of ``expected_shapes``) or a wrong shape is an error.
+    Every name must be given once, and every value must be a finite floating-point
+    tensor. Raises :class:`BackendError` (``retryable=False``) before any weight is
+    touched; returns the tensors by name.
+    """
+    if not _is_int(version) or version < 0:
+        raise BackendError(f"weight version {version!r} must be an int >= 0", retryable=False)
+    tensors: dict[str, torch.Tensor] = {}
+    for item in named_tensors:
+        name, tensor = item
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise BackendError(
+                f"weights must be (str, torch.Tensor) pairs, got ({type(name).__name__}, "
+                f"{type(tensor).__name__})",
+                retryable=False,
+            )
+        if name in tensors:
+            raise BackendError(f"weight {name!r} given twice", retryable=False)
+        if not tensor.is_floating_point() or not bool(torch.isfinite(tensor).all()):
+            raise BackendError(
+                f"weight {name!r} must be a finite floating-point tensor", retryable=False
+            )
+        tensors[name] = tensor
+    if not tensors:
+        raise BackendError("update_weights was given no tensors", retryable=False)
+    if expected_shapes is not None:
+        unknown = sorted(set(tensors) - set(expected_shapes))
+        if unknown:
+            raise BackendError(f"unknown weight names {unknown[:5]}", retryable=False)
+        needed = set(expected_shapes) if required is None else set(required)
+        missing = sorted(needed - set(tensors))
+        if missing:
+            raise BackendError(f"missing weight names {missing[:5]}", retryable=False)
+        for name, tensor in tensors.items():
+            want = tuple(expected_shapes[name])
+            if tuple(tensor.shape) != want:
+                raise BackendError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {want}",
+                    retryable=False,
+                )
+    return tensors

@@ -11,6 +11,8 @@ import click
 _COMMANDS: dict[str, tuple[str, str]] = {
     "db": ("controller.cli.db", "db"),
     "bench": ("controller.cli.bench", "bench"),
+    "demo": ("controller.cli.demo", "demo"),
+    "run": ("controller.cli.demo", "run"),
 }
 
 

@@ -134,7 +134,7 @@ def _is_complete(out_dir: Path, spec: TinyModelSpec) -> bool:
         return False
 
 
-def build_tiny_model(out_dir: Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:  # noqa: B008
+def build_tiny_model(out_dir: Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
     """Write the tiny model (config, safetensors weights, tokenizer) into ``out_dir``.
 
     Idempotent: a complete directory built from the same ``spec`` is reused as it is.

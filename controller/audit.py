@@ -1,0 +1,126 @@
+"""The prompt ledger: a projection of the log, independent of the state machine, that
+says what became of every pulled prompt and what each train step trained.
+
+It is the check behind "no prompt lost, none trained twice": it folds the history with
+its own simple rules, and :func:`cross_check` compares the result with the state
+machine's live groups.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from eventstore import EventStore
+
+from .domain.events import (
+    GroupAdmitted,
+    GroupEvicted,
+    GroupSelected,
+    PromptDropped,
+    RolloutEvent,
+    SiblingCompleted,
+    SparePulled,
+    StepTrained,
+)
+from .domain.state import RunState
+from .rollout import iter_history
+
+
+@dataclass
+class PromptLedger:
+    """What happened to each prompt, and the reward of each trained step."""
+
+    group_of_prompt: dict[int, int] = field(default_factory=dict)
+    prompt_of_group: dict[int, int] = field(default_factory=dict)
+    pulled_twice: list[int] = field(default_factory=list)
+    trained: Counter[int] = field(default_factory=Counter)
+    dropped: dict[int, str] = field(default_factory=dict)
+    evicted: dict[int, str] = field(default_factory=dict)
+    step_of_prompt: dict[int, list[int]] = field(default_factory=dict)
+    step_rewards: dict[int, float] = field(default_factory=dict)
+    _selected: dict[int, list[int]] = field(default_factory=dict)
+    _rewards: dict[int, dict[int, float]] = field(default_factory=dict)
+
+    def apply(self, event: RolloutEvent) -> None:
+        """Fold one event."""
+        if isinstance(event, GroupAdmitted | SparePulled):
+            if event.prompt_index in self.group_of_prompt:
+                self.pulled_twice.append(event.prompt_index)
+            self.group_of_prompt[event.prompt_index] = event.group_id
+            self.prompt_of_group[event.group_id] = event.prompt_index
+        elif isinstance(event, SiblingCompleted):
+            self._rewards.setdefault(event.group_id, {})[event.sibling] = event.reward
+        elif isinstance(event, GroupSelected):
+            self._selected.setdefault(event.train_step, []).append(event.group_id)
+        elif isinstance(event, StepTrained):
+            groups = self._selected.pop(event.train_step, [])
+            rewards: list[float] = []
+            for gid in groups:
+                prompt = self.prompt_of_group[gid]
+                self.trained[prompt] += 1
+                self.step_of_prompt.setdefault(prompt, []).append(event.train_step)
+                rewards.extend(self._rewards.pop(gid, {}).values())
+            self.step_rewards[event.train_step] = sum(rewards) / len(rewards) if rewards else 0.0
+        elif isinstance(event, PromptDropped):
+            self.dropped[event.prompt_index] = event.reason
+        elif isinstance(event, GroupEvicted):
+            self.evicted[event.prompt_index] = event.reason
+
+    @property
+    def prompts_pulled(self) -> int:
+        """Distinct prompts pulled into groups."""
+        return len(self.group_of_prompt)
+
+    def unfinished(self) -> set[int]:
+        """Prompts pulled but neither trained, dropped nor evicted (still live)."""
+        done = set(self.trained) | set(self.dropped) | set(self.evicted)
+        return set(self.group_of_prompt) - done
+
+    @property
+    def trained_twice(self) -> list[int]:
+        """Prompts trained more than once (must be empty)."""
+        return sorted(p for p, n in self.trained.items() if n > 1)
+
+
+def build_ledger(store: EventStore, run_id: str, to_seq: int | None = None) -> PromptLedger:
+    """Fold the run's history (abandoned ranges excluded) into a ledger."""
+    ledger = PromptLedger()
+    for _row, event in iter_history(store, run_id, to_seq):
+        ledger.apply(event)
+    return ledger
+
+
+@dataclass(frozen=True)
+class LedgerCheck:
+    """The outcome of comparing the ledger with the state machine."""
+
+    prompts_pulled: int
+    prompts_trained: int
+    prompts_dropped: int
+    prompts_evicted: int
+    prompts_live: int
+    prompts_lost: int
+    prompts_trained_twice: int
+    prompts_pulled_twice: int
+    lost: tuple[int, ...]
+    trained_twice: tuple[int, ...]
+
+
+def cross_check(ledger: PromptLedger, state: RunState) -> LedgerCheck:
+    """Every pulled prompt must be trained once, dropped, evicted, or live in ``state``."""
+    live_in_state = {g.prompt_index for g in state.groups.values()}
+    unfinished = ledger.unfinished()
+    lost = sorted(unfinished - live_in_state)
+    return LedgerCheck(
+        prompts_pulled=ledger.prompts_pulled,
+        prompts_trained=len(ledger.trained),
+        prompts_dropped=len(ledger.dropped),
+        prompts_evicted=len(ledger.evicted),
+        prompts_live=len(unfinished & live_in_state),
+        prompts_lost=len(lost),
+        prompts_trained_twice=len(ledger.trained_twice),
+        prompts_pulled_twice=len(ledger.pulled_twice),
+        lost=tuple(lost),
+        trained_twice=tuple(ledger.trained_twice),
+    )

@@ -1,0 +1,172 @@
+"""``rolloutlog demo``: a small GRPO run with a real crash and a resume.
+
+1. A worker process trains the tiny torch policy on the toy task, checkpointing the
+   model together with the rollout offset every few steps.
+2. Part-way through (between checkpoints, with generation in flight) the demo kills the
+   worker with SIGKILL.
+3. A new worker restores from the newest checkpoint offset and finishes the run.
+4. The summary comes from the log alone: reward per step, what the restore reused,
+   salvaged and re-ran, and an independent ledger check that no prompt was lost or
+   trained twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from eventstore import EventStore
+
+from .audit import build_ledger, cross_check
+from .domain.invariants import find_violations
+from .rollout import replay
+from .run_config import RunConfig
+
+
+class DemoError(RuntimeError):
+    """The demo could not complete (a worker failed); the message says where."""
+
+
+@dataclass
+class WorkerOutcome:
+    """What one worker process printed before it ended."""
+
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    killed: bool = False
+    returncode: int | None = None
+
+
+def _run_worker(
+    cfg: RunConfig,
+    run_id: str,
+    mode: str,
+    *,
+    kill_after_step: int | None,
+    on_message: Callable[[dict[str, Any]], None],
+) -> WorkerOutcome:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "controller.demo_worker", cfg.model_dump_json(), run_id, mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    out = WorkerOutcome()
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        msg = json.loads(line)
+        out.messages.append(msg)
+        on_message(msg)
+        if (
+            kill_after_step is not None
+            and msg.get("event") == "step"
+            and msg["step"] >= kill_after_step
+        ):
+            # A real crash: no cleanup, no flush, generation still in flight.
+            os.kill(proc.pid, signal.SIGKILL)
+            out.killed = True
+            break
+    proc.wait()
+    out.returncode = proc.returncode
+    if not out.killed and proc.returncode != 0:
+        err = proc.stderr.read() if proc.stderr else ""
+        last = next((m for m in reversed(out.messages) if m.get("event") == "error"), None)
+        detail = last["error"] if last else err.strip().splitlines()[-1:] or ["(no output)"]
+        raise DemoError(f"the {mode} worker failed (exit {proc.returncode}): {detail}")
+    if proc.stderr:
+        proc.stderr.close()
+    proc.stdout.close()
+    return out
+
+
+def kill_step(steps: int, checkpoint_every: int) -> int:
+    """The step after which the demo kills the worker: past a checkpoint, before the next."""
+    target = max(checkpoint_every + 1, (steps * 3) // 5)
+    if target % checkpoint_every == checkpoint_every - 1:
+        target -= 1  # not the step right before a checkpoint: leave work to recover
+    return min(target, steps - 2)
+
+
+def run_demo(
+    cfg: RunConfig,
+    *,
+    run_id: str | None = None,
+    on_message: Callable[[str, dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Run the demo end to end and return its summary (see module docstring)."""
+    if cfg.steps < cfg.checkpoint_every + 3:
+        raise DemoError(
+            f"the demo needs at least checkpoint_every + 3 = {cfg.checkpoint_every + 3} steps "
+            f"to crash after a checkpoint and resume; got {cfg.steps}"
+        )
+    rid = run_id or cfg.run_id or f"demo-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}"
+    notify = on_message or (lambda _phase, _msg: None)
+    started = time.perf_counter()
+    kill_at = kill_step(cfg.steps, cfg.checkpoint_every)
+    first = _run_worker(
+        cfg, rid, "fresh", kill_after_step=kill_at, on_message=lambda m: notify("first", m)
+    )
+    if not first.killed:
+        raise DemoError("the first worker finished before the planned crash")
+    second = _run_worker(
+        cfg, rid, "resume", kill_after_step=None, on_message=lambda m: notify("resume", m)
+    )
+    restored = next((m for m in second.messages if m.get("event") == "restored"), {})
+    store = EventStore.open(cfg.store.url)
+    try:
+        state = replay(store, rid).state
+        ledger = build_ledger(store, rid)
+        check = cross_check(ledger, state)
+        violations = [str(v) for v in find_violations(state)]
+        last_seq = store.last_seq(rid)
+    finally:
+        store.close()
+    steps = sorted(ledger.step_rewards)
+    rewards = [ledger.step_rewards[s] for s in steps]
+    k = min(3, len(rewards))
+    return {
+        "run_id": rid,
+        "db": cfg.store.url,
+        "backend": cfg.backend,
+        "steps_trained": len(steps),
+        "steps_planned": cfg.steps,
+        "reward_first": sum(rewards[:k]) / k if k else 0.0,
+        "reward_last": sum(rewards[-k:]) / k if k else 0.0,
+        "rewards": rewards,
+        "killed_after_step": kill_at,
+        "restored_from_offset": restored.get("from_offset"),
+        "recovery": {
+            key: restored.get(key)
+            for key in (
+                "complete_groups_restored",
+                "unfinished_groups_found",
+                "siblings_reused",
+                "siblings_rerun",
+                "siblings_salvaged",
+                "groups_evicted_stale",
+            )
+        },
+        "prompts_pulled": check.prompts_pulled,
+        "prompts_trained": check.prompts_trained,
+        "prompts_dropped": check.prompts_dropped,
+        "prompts_evicted": check.prompts_evicted,
+        "prompts_live_at_end": check.prompts_live,
+        "prompts_lost": check.prompts_lost,
+        "prompts_trained_twice": check.prompts_trained_twice,
+        "invariant_violations": violations,
+        "log_events": last_seq,
+        "seconds": round(time.perf_counter() - started, 1),
+    }

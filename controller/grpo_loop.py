@@ -1,0 +1,258 @@
+"""A complete GRPO training loop on the toy task, driven through rolloutlog's API.
+
+This is the code behind ``rolloutlog demo`` and ``rolloutlog run CONFIG``, and the
+reference for wiring rolloutlog into a training loop: the model checkpoint is stored
+together with the rollout checkpoint offset, and a resume restores both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eventstore import EventStore
+
+from .backends.base import GenerationBackend
+from .domain.errors import RestoreError
+from .models.tiny import TinyModelSpec, build_tiny_model, load_policy
+from .rollout import RecoveryReport, RolloutController
+from .run_config import BackendKind, RunConfig
+from .runtime import RolloutRuntime
+from .task import ToyTask
+from .trainer import GRPOTrainer, TrainSample
+
+Progress = Callable[[dict[str, Any]], None]
+_CKPT = re.compile(r"step-(\d+)\.pt$")
+
+
+class TokenizedPrompts:
+    """The toy task at token level (the pump's PromptSource)."""
+
+    def __init__(self, task: ToyTask, tokenizer: Any) -> None:
+        self.task = task
+        self.tokenizer = tokenizer
+
+    @property
+    def fingerprint(self) -> str:
+        """The dataset and reward fingerprint."""
+        return self.task.fingerprint
+
+    @property
+    def num_prompts(self) -> int:
+        """Prompts in the dataset."""
+        return self.task.num_prompts
+
+    def prompt_token_ids(self, index: int) -> list[int]:
+        """Token ids of prompt ``index``."""
+        return self.task.prompt_token_ids(index, self.tokenizer)
+
+    def reward(self, index: int, completion_token_ids: Sequence[int]) -> float:
+        """The toy reward of a completion."""
+        return self.task.reward(index, completion_token_ids, self.tokenizer)
+
+
+def make_backend(
+    kind: BackendKind,
+    cfg: RunConfig,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    model_dir: Path,
+    weight_version: int,
+) -> GenerationBackend:
+    """The configured generation backend, serving ``model``'s weights at ``weight_version``."""
+    if kind == "torch":
+        from .backends.torch_backend import TorchBackend
+
+        return TorchBackend(
+            (model, tokenizer),  # type: ignore[arg-type]
+            max_model_len=cfg.model.max_model_len,
+            seed=cfg.seed,
+            weight_version=weight_version,
+        )
+    if kind == "vllm":
+        from .backends.vllm_backend import VLLMBackend
+
+        return VLLMBackend(  # type: ignore[return-value]
+            model_dir, max_model_len=cfg.model.max_model_len, seed=cfg.seed
+        )
+    from .backends.testing import DeterministicBackend
+
+    return DeterministicBackend(
+        vocab_size=len(tokenizer),
+        max_model_len=cfg.model.max_model_len,
+        eos_token_id=tokenizer.eos_token_id,
+        seed=cfg.seed,
+        weight_version=weight_version,
+    )
+
+
+@dataclass
+class ModelCheckpoint:
+    """A trainer checkpoint stored with the rollout offset it belongs to."""
+
+    path: Path
+    train_step: int
+    offset: int
+    weight_version: int
+
+
+def checkpoint_dir(cfg: RunConfig, run_id: str) -> Path:
+    """Folder of a run's model checkpoints."""
+    return Path(cfg.checkpoint_dir) / run_id
+
+
+def latest_checkpoint(cfg: RunConfig, run_id: str) -> ModelCheckpoint | None:
+    """The newest complete model checkpoint of the run, if any."""
+    folder = checkpoint_dir(cfg, run_id)
+    if not folder.is_dir():
+        return None
+    best: tuple[int, Path] | None = None
+    for p in folder.iterdir():
+        m = _CKPT.search(p.name)
+        if m and (best is None or int(m.group(1)) > best[0]):
+            best = (int(m.group(1)), p)
+    if best is None:
+        return None
+    meta = torch.load(best[1], map_location="cpu", weights_only=False)
+    return ModelCheckpoint(best[1], meta["train_step"], meta["offset"], meta["weight_version"])
+
+
+def _save_checkpoint(
+    cfg: RunConfig, run_id: str, trainer: GRPOTrainer, step: int, offset: int, version: int
+) -> Path:
+    folder = checkpoint_dir(cfg, run_id)
+    folder.mkdir(parents=True, exist_ok=True)
+    final = folder / f"step-{step:06d}.pt"
+    tmp = folder / f".{final.name}.{uuid.uuid4().hex[:6]}.tmp"
+    torch.save(
+        {
+            "train_step": step,
+            "offset": offset,
+            "weight_version": version,
+            "trainer": trainer.state_dict(),
+        },
+        tmp,
+    )
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, final)  # a reader never sees half a checkpoint
+    return final
+
+
+@dataclass
+class TrainingResult:
+    """What one process of the loop did."""
+
+    run_id: str
+    first_step: int
+    steps_trained: int
+    rewards: dict[int, float]
+    recovery: RecoveryReport | None
+
+
+async def run_training(
+    cfg: RunConfig,
+    *,
+    run_id: str,
+    resume: bool,
+    progress: Progress | None = None,
+) -> TrainingResult:
+    """Train ``cfg.steps`` steps of GRPO on the toy task (resuming from the newest
+    model checkpoint and its rollout offset when ``resume``)."""
+    emit = progress or (lambda _msg: None)
+    torch.manual_seed(cfg.seed)
+    model_dir = build_tiny_model(
+        Path(cfg.model.dir),
+        TinyModelSpec(
+            seed=cfg.model.seed, max_position_embeddings=max(128, cfg.model.max_model_len)
+        ),
+    )
+    model, tokenizer = load_policy(model_dir)
+    task = ToyTask(cfg.task)
+    prompts = TokenizedPrompts(task, tokenizer)
+    trainer = GRPOTrainer(model, cfg.trainer, pad_token_id=int(tokenizer.pad_token_id))
+    store = EventStore.open(cfg.store.url)
+    recovery: RecoveryReport | None = None
+    try:
+        if resume:
+            ckpt = latest_checkpoint(cfg, run_id)
+            if ckpt is None:
+                raise RestoreError(
+                    f"run {run_id!r} has no model checkpoint in {checkpoint_dir(cfg, run_id)}; "
+                    "a restore needs the rollout offset stored with one"
+                )
+            meta = torch.load(ckpt.path, map_location="cpu", weights_only=False)
+            trainer.load_state_dict(meta["trainer"])
+            controller, recovery = RolloutController.restore(
+                store,
+                run_id,
+                ckpt.offset,
+                rollout=cfg.rollout,
+                dataset_fingerprint=task.fingerprint,
+                store_config=cfg.store,
+            )
+            emit({"event": "restored", "checkpoint": str(ckpt.path), **recovery.to_dict()})
+        else:
+            controller = RolloutController.start(
+                store,
+                run_id,
+                cfg.rollout,
+                dataset_fingerprint=task.fingerprint,
+                dataset_size=task.num_prompts,
+                store_config=cfg.store,
+            )
+        first = controller.state.train_step
+        version = controller.state.weight_version
+        backend = make_backend(cfg.backend, cfg, trainer.model, tokenizer, model_dir, version)
+        runtime = RolloutRuntime(controller, backend, prompts, cfg.generation)
+        rewards: dict[int, float] = {}
+        await runtime.start()
+        try:
+            if resume and controller.state.published_version < version:
+                await runtime.publish_weights(trainer.named_weights(), version)
+            for step in range(first, cfg.steps):
+                batch = await runtime.next_batch(step)
+                samples = [
+                    TrainSample(
+                        group_id=s.group_id,
+                        prompt_token_ids=s.prompt_token_ids,
+                        completion_token_ids=s.completion_token_ids,
+                        old_logprobs=s.old_logprobs,
+                        reward=s.reward,
+                    )
+                    for s in batch.samples
+                ]
+                stats = await asyncio.to_thread(trainer.train_step, samples)
+                version = step + 1
+                await runtime.report_trained(step, version)
+                await runtime.publish_weights(trainer.named_weights(), version)
+                rewards[step] = batch.mean_reward
+                msg: dict[str, Any] = {
+                    "event": "step",
+                    "step": step,
+                    "reward": batch.mean_reward,
+                    "loss": stats.loss,
+                    "groups": len(batch.group_ids),
+                    "shortfall": batch.shortfall,
+                    "offset": controller.state.last_seq,
+                }
+                if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+                    offset = await runtime.checkpoint(step + 1)
+                    path = _save_checkpoint(cfg, run_id, trainer, step + 1, offset, version)
+                    msg["checkpoint"] = {"offset": offset, "path": str(path)}
+                emit(msg)
+        finally:
+            await runtime.close()
+            await backend.close()
+            controller.close()
+        return TrainingResult(run_id, first, cfg.steps - first, rewards, recovery)
+    finally:
+        store.close()

@@ -1,0 +1,67 @@
+"""The whole configuration of a training run (``rolloutlog run CONFIG``, the demo).
+
+Every section is a validated pydantic model with documented defaults; unknown fields
+anywhere are rejected with their dotted name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .config import ConfigError, RolloutConfig, StoreConfig, TelemetryConfig, load_yaml
+from .runtime import GenerationConfig
+from .task import ToyTaskConfig
+from .trainer import GRPOConfig
+
+BackendKind = Literal["torch", "vllm", "deterministic"]
+
+
+class ModelConfig(BaseModel):
+    """The tiny policy built locally (no hub access)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dir: str = Field("runs/tiny-model", description="Where the tiny model is built and read.")
+    seed: int = Field(0, ge=0, description="Seed of the initial weights.")
+    max_model_len: int = Field(64, ge=8, description="Prompt + completion tokens per sibling.")
+
+
+class RunConfig(BaseModel):
+    """One training run: rollout rules, log, generation, task, trainer, schedule."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run_id: str | None = Field(None, description="Run id in the log (default: generated).")
+    steps: int = Field(30, ge=1, description="Train steps to run.")
+    checkpoint_every: int = Field(5, ge=1, description="Checkpoint after every N train steps.")
+    checkpoint_dir: str = Field(
+        "runs/checkpoints", description="Model checkpoints (each stores its rollout offset)."
+    )
+    backend: BackendKind = Field("torch", description="Generation backend.")
+    seed: int = Field(0, ge=0, description="Seed of the trainer and the sampler.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    rollout: RolloutConfig = Field(
+        default_factory=lambda: RolloutConfig(
+            group_size=4, groups_per_step=8, lookahead=1, staleness_bound=1, spare_pool_size=2
+        )
+    )
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    generation: GenerationConfig = Field(
+        default_factory=lambda: GenerationConfig(max_in_flight_siblings=64, max_tokens=8)
+    )
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    task: ToyTaskConfig = Field(default_factory=ToyTaskConfig)
+    trainer: GRPOConfig = Field(default_factory=GRPOConfig)
+
+
+def load_run_config(path: Path) -> RunConfig:
+    """Load a YAML run configuration; errors name the offending field."""
+    cfg = load_yaml(path, RunConfig)
+    assert isinstance(cfg, RunConfig)
+    return cfg
+
+
+__all__ = ["BackendKind", "ConfigError", "ModelConfig", "RunConfig", "load_run_config"]

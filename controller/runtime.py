@@ -1,0 +1,482 @@
+"""The asyncio rollout pump and the training-loop API around a RolloutController.
+
+The pump admits steps ahead of training (within the lookahead), dispatches pending
+siblings to a generation backend with a bound on siblings in flight, records
+completions (token ids and logprobs as payloads), failures with retries, replacements,
+borrows, evictions and aborts, all through the controller's decide/append/apply path.
+
+The trainer calls :meth:`RolloutRuntime.next_batch`, which returns only once the
+batch's events are durable (the output commit rule), then :meth:`report_trained`,
+:meth:`publish_weights` and :meth:`checkpoint`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from eventstore import PayloadPut, decode_arrays, encode_arrays
+
+from .backends.base import (
+    BackendAbortedError,
+    BackendError,
+    BackendUnavailableError,
+    GenerationBackend,
+    GroupRequest,
+    MalformedResultError,
+    SamplingConfig,
+    SiblingResult,
+    SiblingSpec,
+    validate_results,
+)
+from .domain import (
+    AbortSibling,
+    AdmitStep,
+    CompleteSibling,
+    DispatchSiblings,
+    FailSibling,
+    MarkCheckpoint,
+    PublishWeights,
+    RecordTrainStep,
+    SelectBatch,
+)
+from .domain.admission import admission_blocker
+from .domain.errors import (
+    BatchNotReadyError,
+    IllegalTransitionError,
+    StaleAttemptError,
+)
+from .domain.events import RolloutEvent, SiblingAborted
+from .domain.state import Phase, SiblingStatus
+from .rollout import RolloutController
+
+log = logging.getLogger(__name__)
+
+
+class GenerationConfig(BaseModel):
+    """How the pump drives generation."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_in_flight_siblings: int = Field(
+        64, ge=1, description="Bound on siblings generating at once."
+    )
+    max_tokens: int = Field(16, ge=1, description="Most tokens generated per sibling.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+
+
+class PromptSource(Protocol):
+    """The dataset and reward as the pump needs them (token level)."""
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies dataset and reward."""
+        ...
+
+    @property
+    def num_prompts(self) -> int:
+        """Prompts in dataset order."""
+        ...
+
+    def prompt_token_ids(self, index: int) -> list[int]:
+        """Token ids of prompt ``index``."""
+        ...
+
+    def reward(self, index: int, completion_token_ids: Sequence[int]) -> float:
+        """Reward of a completion of prompt ``index``."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutSample:
+    """One sibling of a selected group, ready for the trainer."""
+
+    group_id: int
+    prompt_index: int
+    sibling: int
+    prompt_token_ids: tuple[int, ...]
+    completion_token_ids: tuple[int, ...]
+    old_logprobs: tuple[float, ...]
+    reward: float
+    weight_version: int
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The durable batch of one train step."""
+
+    train_step: int
+    group_ids: tuple[int, ...]
+    shortfall: int
+    samples: tuple[RolloutSample, ...]
+
+    @property
+    def mean_reward(self) -> float:
+        """Mean reward over the batch's samples."""
+        return sum(s.reward for s in self.samples) / max(1, len(self.samples))
+
+
+class RunStoppedError(RuntimeError):
+    """The pump stopped because of an error; the message names it. The log is intact."""
+
+
+@dataclass
+class PumpStats:
+    """What the pump has done (for progress display and tests)."""
+
+    dispatched: int = 0
+    completed: int = 0
+    failed: int = 0
+    aborted: int = 0
+    fenced_results: int = 0
+    malformed: int = 0
+
+
+@dataclass
+class _Flight:
+    task: asyncio.Task[None]
+    siblings: dict[int, int] = field(default_factory=dict)  # sibling -> attempt
+
+
+class RolloutRuntime:
+    """Runs the rollout pump for one controller and serves batches to a training loop."""
+
+    def __init__(
+        self,
+        controller: RolloutController,
+        backend: GenerationBackend,
+        prompts: PromptSource,
+        generation: GenerationConfig | None = None,
+    ) -> None:
+        self.controller = controller
+        self.backend = backend
+        self.prompts = prompts
+        self.generation = generation or GenerationConfig()
+        self.stats = PumpStats()
+        self._flights: dict[int, _Flight] = {}
+        self._changed = asyncio.Event()
+        self._pump_task: asyncio.Task[None] | None = None
+        self._error: BaseException | None = None
+        self._closing = False
+        self._payload_cache: dict[str, bytes] = {}
+        self._prompt_cache: dict[int, tuple[int, ...]] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Start the backend and the pump."""
+        await self.backend.start()
+        self._pump_task = asyncio.create_task(self._pump(), name="rolloutlog-pump")
+
+    async def close(self) -> None:
+        """Stop the pump, abort in-flight generation, flush the log."""
+        self._closing = True
+        self._changed.set()
+        if self._pump_task is not None:
+            self._pump_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._pump_task
+        for gid, flight in list(self._flights.items()):
+            with contextlib.suppress(Exception):
+                await self.backend.abort(gid)
+            flight.task.cancel()
+        for flight in list(self._flights.values()):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await flight.task
+        self._flights.clear()
+        with contextlib.suppress(Exception):
+            await self.controller.aflush()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RunStoppedError(f"the rollout pump stopped: {self._error}") from self._error
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._error is None:
+            self._error = exc
+            log.error("rollout pump stopping: %s", exc)
+        self._changed.set()
+
+    # ------------------------------------------------------------------ the pump
+    async def _pump(self) -> None:
+        try:
+            while not self._closing:
+                self._changed.clear()
+                self._admit()
+                self._dispatch()
+                await self._changed.wait()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            self._fail(exc)
+
+    def _admit(self) -> None:
+        state = self.controller.state
+        while admission_blocker(state) is None:
+            self.controller.execute(AdmitStep())
+
+    def _in_flight(self) -> int:
+        return sum(len(f.siblings) for f in self._flights.values())
+
+    def _dispatch(self) -> None:
+        state = self.controller.state
+        budget = self.generation.max_in_flight_siblings - self._in_flight()
+        if budget <= 0:
+            return
+        # Oldest target step first, so the next batch fills before later ones.
+        candidates = sorted(
+            (g for g in state.groups.values() if g.phase is Phase.ADMITTED),
+            key=lambda g: (g.target_step if g.target_step is not None else 0, g.group_id),
+        )
+        for group in candidates:
+            if budget <= 0:
+                break
+            if group.group_id in self._flights:
+                continue
+            pending = [
+                i for i, s in enumerate(group.siblings) if s.status is SiblingStatus.PENDING
+            ][:budget]
+            if not pending:
+                continue
+            version = self.backend.weight_version
+            applied = self.controller.execute(
+                DispatchSiblings(group.group_id, tuple(pending), version)
+            )
+            specs = tuple(SiblingSpec(ev.sibling, ev.attempt) for _, ev in applied)  # type: ignore[attr-defined]
+            request = GroupRequest(
+                group_id=group.group_id,
+                prompt_token_ids=self._prompt(group.prompt_index),
+                siblings=specs,
+                sampling=SamplingConfig(
+                    max_tokens=self.generation.max_tokens,
+                    temperature=self.generation.temperature,
+                    top_p=self.generation.top_p,
+                ),
+            )
+            flight = _Flight(
+                task=asyncio.create_task(self._generate(request, group.prompt_index)),
+                siblings={s.sibling: s.attempt for s in specs},
+            )
+            self._flights[group.group_id] = flight
+            self.stats.dispatched += len(specs)
+            budget -= len(specs)
+
+    def _prompt(self, index: int) -> tuple[int, ...]:
+        ids = self._prompt_cache.get(index)
+        if ids is None:
+            ids = tuple(int(t) for t in self.prompts.prompt_token_ids(index))
+            self._prompt_cache[index] = ids
+        return ids
+
+    async def _generate(self, request: GroupRequest, prompt_index: int) -> None:
+        try:
+            try:
+                results = await self.backend.generate(request)
+                validate_results(request, results, self.backend.vocab_size)
+            except BackendAbortedError:
+                self._record_aborts(request, "aborted by the backend")
+                return
+            except MalformedResultError as exc:
+                # A contract breach is a bug in the backend, not a transient failure.
+                self.stats.malformed += 1
+                self._record_aborts(request, f"malformed result: {exc}")
+                self._fail(exc)
+                return
+            except BackendError as exc:
+                if isinstance(exc, BackendUnavailableError):
+                    self._record_aborts(request, f"backend unavailable: {exc}")
+                    self._fail(exc)
+                    return
+                self._record_failures(request, exc)
+                return
+            self._record_results(request, prompt_index, results)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            self._fail(exc)
+        finally:
+            self._flights.pop(request.group_id, None)
+            self._changed.set()
+
+    def _record_results(
+        self, request: GroupRequest, prompt_index: int, results: Sequence[SiblingResult]
+    ) -> None:
+        epoch = self.controller.epoch
+        for res in results:
+            payload_id = f"e{epoch}-g{res.group_id}-s{res.sibling}-a{res.attempt}"
+            data = encode_arrays({"token_ids": res.token_ids, "logprobs": res.logprobs})
+            reward = float(self.prompts.reward(prompt_index, res.token_ids))
+            try:
+                self.controller.execute(
+                    CompleteSibling(
+                        group_id=res.group_id,
+                        sibling=res.sibling,
+                        attempt=res.attempt,
+                        weight_version=res.weight_version,
+                        prompt_tokens=len(request.prompt_token_ids),
+                        completion_tokens=len(res.token_ids),
+                        reward=reward,
+                        payload_id=payload_id,
+                        finish_reason=res.finish_reason,
+                    ),
+                    payload_puts=(PayloadPut(payload_id, "sibling", data),),
+                )
+            except (StaleAttemptError, IllegalTransitionError) as exc:
+                # Fencing: the attempt was superseded (abort, eviction, restore); drop it.
+                self.stats.fenced_results += 1
+                log.debug("rejected result: %s", exc)
+                continue
+            self._payload_cache[payload_id] = data
+            self.stats.completed += 1
+
+    def _still_in_flight(self, group_id: int, sibling: int, attempt: int) -> bool:
+        group = self.controller.state.groups.get(group_id)
+        if group is None or not 0 <= sibling < len(group.siblings):
+            return False
+        sib = group.siblings[sibling]
+        return sib.attempt == attempt and sib.status is SiblingStatus.IN_FLIGHT
+
+    def _record_failures(self, request: GroupRequest, exc: BackendError) -> None:
+        for spec in request.siblings:
+            if not self._still_in_flight(request.group_id, spec.sibling, spec.attempt):
+                continue
+            self.controller.execute(
+                FailSibling(
+                    group_id=request.group_id,
+                    sibling=spec.sibling,
+                    attempt=spec.attempt,
+                    retryable=exc.retryable,
+                    reason=str(exc),
+                )
+            )
+            self.stats.failed += 1
+
+    def _record_aborts(self, request: GroupRequest, reason: str) -> None:
+        for spec in request.siblings:
+            if not self._still_in_flight(request.group_id, spec.sibling, spec.attempt):
+                continue
+            self.controller.execute(
+                AbortSibling(
+                    group_id=request.group_id,
+                    sibling=spec.sibling,
+                    attempt=spec.attempt,
+                    reason=reason,
+                )
+            )
+            self.stats.aborted += 1
+
+    # ------------------------------------------------------------------ trainer API
+    async def next_batch(self, train_step: int, *, timeout: float | None = None) -> Batch:
+        """The batch of ``train_step``, once selected and durable.
+
+        Raises :class:`RunStoppedError` if the pump failed, and the domain's
+        StepOutOfOrderError for a step other than the next one.
+        """
+        state = self.controller.state
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while train_step not in state.batches:
+            self._raise_if_failed()
+            try:
+                self.controller.execute(SelectBatch(train_step))
+                self._changed.set()  # evictions may free slots for the pump
+                continue
+            except BatchNotReadyError as exc:
+                if not self._flights and self._nothing_can_arrive():
+                    raise RunStoppedError(f"step {train_step} can never be formed: {exc}") from exc
+            self._changed.set()
+            waiter = asyncio.ensure_future(self._wait_change())
+            remaining = None if deadline is None else max(0.0, deadline - loop.time())
+            done, _ = await asyncio.wait({waiter}, timeout=remaining)
+            if not done:
+                waiter.cancel()
+                raise TimeoutError(f"batch of step {train_step} not ready after {timeout}s")
+        await self.controller.aflush()  # output commit: durable before the trainer sees it
+        return self._assemble(train_step)
+
+    async def _wait_change(self) -> None:
+        # The pump clears the event at the top of its loop; poll briefly as a backstop.
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout=0.05)
+        await asyncio.sleep(0)
+
+    def _nothing_can_arrive(self) -> bool:
+        state = self.controller.state
+        generating = any(g.phase is Phase.ADMITTED for g in state.groups.values())
+        return not generating and admission_blocker(state) is not None
+
+    def _assemble(self, train_step: int) -> Batch:
+        state = self.controller.state
+        gids = state.batches[train_step]
+        samples: list[RolloutSample] = []
+        for gid in gids:
+            group = state.groups[gid]
+            prompt = self._prompt(group.prompt_index)
+            for index, sib in enumerate(group.siblings):
+                assert sib.payload_id is not None and sib.weight_version is not None
+                arrays = decode_arrays(self._payload(sib.payload_id))
+                samples.append(
+                    RolloutSample(
+                        group_id=gid,
+                        prompt_index=group.prompt_index,
+                        sibling=index,
+                        prompt_token_ids=prompt,
+                        completion_token_ids=tuple(int(t) for t in arrays["token_ids"]),
+                        old_logprobs=tuple(float(x) for x in arrays["logprobs"]),
+                        reward=float(sib.reward if sib.reward is not None else 0.0),
+                        weight_version=sib.weight_version,
+                    )
+                )
+        return Batch(
+            train_step=train_step,
+            group_ids=tuple(gids),
+            shortfall=state.batch_shortfall.get(train_step, 0),
+            samples=tuple(samples),
+        )
+
+    def _payload(self, payload_id: str) -> bytes:
+        data = self._payload_cache.pop(payload_id, None)
+        if data is None:
+            data = self.controller.store.get_payload(self.controller.run_id, payload_id)
+        return data
+
+    async def report_trained(self, train_step: int, weight_version: int) -> None:
+        """Record that ``train_step`` trained and produced ``weight_version``."""
+        self._raise_if_failed()
+        self.controller.execute(RecordTrainStep(train_step, weight_version))
+        self._changed.set()
+
+    async def publish_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int
+    ) -> None:
+        """Load new weights into the backend, record the publish, abort stale work."""
+        self._raise_if_failed()
+        await self.backend.update_weights(named_tensors, weight_version)
+        applied = self.controller.execute(PublishWeights(weight_version))
+        await self._abort_in_backend([ev for _, ev in applied])
+        self._changed.set()
+
+    async def _abort_in_backend(self, events: list[RolloutEvent]) -> None:
+        groups = {ev.group_id for ev in events if isinstance(ev, SiblingAborted)}
+        groups |= {
+            ev.group_id  # type: ignore[attr-defined]
+            for ev in events
+            if ev.event_type == "GroupEvicted"
+        }
+        for gid in sorted(groups):
+            if gid in self._flights:
+                await self.backend.abort(gid)
+
+    async def checkpoint(self, train_step: int) -> int:
+        """Mark a checkpoint after ``train_step`` trained steps; return its durable offset."""
+        self._raise_if_failed()
+        applied = self.controller.execute(MarkCheckpoint(train_step=train_step))
+        await self.controller.aflush()
+        return applied[-1][0]

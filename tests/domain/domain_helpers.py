@@ -1,0 +1,295 @@
+"""Drivers shared by the rollout-domain tests (imported by the test modules).
+
+Two drivers with one interface (``.state`` and ``.execute(command)``):
+
+- :class:`PureRun` decides and evolves in memory (no store), checking on every command
+  that ``decide`` leaves the state untouched;
+- a :class:`controller.rollout.RolloutController` (it has the same two members).
+
+The helper functions below drive either one.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from controller.config import RolloutConfig
+from controller.domain import (
+    AbortSibling,
+    AdmitStep,
+    CompleteSibling,
+    DispatchSiblings,
+    FailSibling,
+    PublishWeights,
+    RecordTrainStep,
+    SelectBatch,
+    StartRun,
+    decide,
+    evolve,
+    initial_state,
+)
+from controller.domain.commands import Command
+from controller.domain.errors import DatasetExhaustedError, LookaheadExceededError
+from controller.domain.events import RolloutEvent
+from controller.domain.state import GroupState, Phase, RunState, SiblingStatus
+from controller.rollout import iter_history
+
+Applied = list[tuple[int, RolloutEvent]]
+
+
+class Driver(Protocol):
+    state: RunState
+
+    def execute(self, command: Command) -> Applied: ...
+
+
+def rules(**overrides: Any) -> RolloutConfig:
+    """A small config for tests (every knob can be overridden)."""
+    base: dict[str, Any] = {
+        "group_size": 2,
+        "groups_per_step": 2,
+        "sampler": "in_order",
+        "staleness_bound": 2,
+        "lookahead": 1,
+        "spare_pool_size": 1,
+        "drop_policy": "replace",
+        "attempts_per_sibling": 3,
+    }
+    base.update(overrides)
+    return RolloutConfig(**base)
+
+
+class PureRun:
+    """The pure core alone: ``decide`` then ``evolve`` at consecutive offsets."""
+
+    def __init__(self, config: RolloutConfig | None = None, *, dataset_size: int = 40, **kw: Any):
+        self.state = initial_state()
+        self.log: Applied = []
+        self.execute(
+            StartRun(
+                run_id="run",
+                rollout=config if config is not None else rules(**kw),
+                config_fingerprint="fp",
+                dataset_fingerprint="ds",
+                dataset_size=dataset_size,
+            )
+        )
+
+    def execute(self, command: Command) -> Applied:
+        before = self.state.to_snapshot()
+        events = decide(self.state, command)
+        assert self.state.to_snapshot() == before, f"decide({command}) mutated the state"
+        applied: Applied = []
+        for ev in events:
+            offset = self.state.last_seq + 1
+            evolve(self.state, ev, offset)
+            applied.append((offset, ev))
+        self.log.extend(applied)
+        return applied
+
+
+# ---------------------------------------------------------------- reading events
+
+
+def kinds(applied: Iterable[tuple[int, RolloutEvent]]) -> list[str]:
+    """The event type names of ``applied``, in order."""
+    return [ev.event_type for _, ev in applied]
+
+
+def only(applied: Iterable[tuple[int, RolloutEvent]], event_type: str) -> list[Any]:
+    """The events of one type."""
+    return [ev for _, ev in applied if ev.event_type == event_type]
+
+
+# ---------------------------------------------------------------- driving
+
+
+def admit(run: Driver) -> Applied:
+    """Admit the step at the dispatch cursor."""
+    return run.execute(AdmitStep())
+
+
+def admit_all(run: Driver) -> int:
+    """Admit until lookahead or the dataset stops it; return the number of steps admitted."""
+    n = 0
+    while True:
+        try:
+            run.execute(AdmitStep())
+        except (LookaheadExceededError, DatasetExhaustedError):
+            return n
+        n += 1
+
+
+def group(run: Driver, gid: int) -> GroupState:
+    return run.state.groups[gid]
+
+
+def step_groups(run: Driver, step: int) -> list[int]:
+    """Live group ids stamped for ``step`` (by id)."""
+    return sorted(g.group_id for g in run.state.groups.values() if g.target_step == step)
+
+
+def dispatch(
+    run: Driver, gid: int, siblings: Iterable[int] | None = None, version: int | None = None
+) -> Applied:
+    """Dispatch ``siblings`` (default: every pending one) with ``version`` (default:
+    the published version)."""
+    g = group(run, gid)
+    sibs = (
+        tuple(siblings)
+        if siblings is not None
+        else tuple(i for i, s in enumerate(g.siblings) if s.status is SiblingStatus.PENDING)
+    )
+    v = run.state.published_version if version is None else version
+    return run.execute(DispatchSiblings(gid, sibs, v))
+
+
+def complete(
+    run: Driver,
+    gid: int,
+    sibling: int,
+    *,
+    version: int | None = None,
+    attempt: int | None = None,
+    tokens: int = 4,
+    reward: float = 0.5,
+) -> Applied:
+    """Complete an in-flight sibling (default: its current attempt and dispatch version)."""
+    s = group(run, gid).siblings[sibling]
+    return run.execute(
+        CompleteSibling(
+            group_id=gid,
+            sibling=sibling,
+            attempt=s.attempt if attempt is None else attempt,
+            weight_version=(s.weight_version or 0) if version is None else version,
+            prompt_tokens=3,
+            completion_tokens=tokens,
+            reward=reward,
+            payload_id=f"g{gid}-s{sibling}-a{s.attempt}",
+            finish_reason="stop",
+        )
+    )
+
+
+def fail(run: Driver, gid: int, sibling: int, *, retryable: bool, reason: str = "boom") -> Applied:
+    s = group(run, gid).siblings[sibling]
+    return run.execute(FailSibling(gid, sibling, s.attempt, retryable, reason))
+
+
+def abort(run: Driver, gid: int, sibling: int, reason: str = "test abort") -> Applied:
+    s = group(run, gid).siblings[sibling]
+    return run.execute(AbortSibling(gid, sibling, s.attempt, reason))
+
+
+def finish_group(run: Driver, gid: int, *, version: int | None = None) -> Applied:
+    """Dispatch every pending sibling, then complete every in-flight one."""
+    out: Applied = []
+    g = group(run, gid)
+    if any(s.status is SiblingStatus.PENDING for s in g.siblings):
+        out += dispatch(run, gid, version=version)
+    for i, s in enumerate(group(run, gid).siblings):
+        if s.status is SiblingStatus.IN_FLIGHT:
+            out += complete(run, gid, i, version=version)
+    return out
+
+
+def finish_step(run: Driver, step: int, *, version: int | None = None) -> Applied:
+    """Finish every admitted group stamped for ``step``."""
+    out: Applied = []
+    for gid in step_groups(run, step):
+        if group(run, gid).phase is Phase.ADMITTED:
+            out += finish_group(run, gid, version=version)
+    return out
+
+
+def train(run: Driver, *, publish: bool = True) -> Applied:
+    """Select the next batch, record its train step (next weight version), publish it."""
+    step = run.state.train_step
+    out = run.execute(SelectBatch(step))
+    out += run.execute(RecordTrainStep(step, run.state.weight_version + 1))
+    if publish:
+        out += run.execute(PublishWeights(run.state.weight_version))
+    return out
+
+
+# ---------------------------------------------------------------- the prompt ledger
+
+
+@dataclass
+class PromptLedger:
+    """An independent fold of the history: each pulled prompt's terminal outcome.
+
+    Deliberately separate from ``evolve``: it knows only which events pull, train, evict
+    and drop a prompt, and checks that each prompt has exactly one fate.
+    """
+
+    pulled: list[int] = field(default_factory=list)
+    group_prompt: dict[int, int] = field(default_factory=dict)
+    fate: dict[int, str] = field(default_factory=dict)  # prompt -> trained/evicted/dropped
+    trained_at: dict[int, int] = field(default_factory=dict)  # prompt -> train step
+    selections: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))
+    batches: dict[int, list[int]] = field(default_factory=dict)
+    drop_reasons: dict[int, str] = field(default_factory=dict)
+
+    def live(self) -> set[int]:
+        return {p for p in self.pulled if p not in self.fate}
+
+    def _end(self, gid: int, fate: str) -> int:
+        assert gid in self.group_prompt, f"{fate} of group {gid}, never pulled"
+        prompt = self.group_prompt[gid]
+        assert prompt not in self.fate, (
+            f"prompt {prompt} (group {gid}) {fate} after it was already {self.fate[prompt]}"
+        )
+        self.fate[prompt] = fate
+        return prompt
+
+    def apply(self, ev: RolloutEvent) -> None:
+        t = ev.event_type
+        if t in ("GroupAdmitted", "SparePulled"):
+            p = ev.prompt_index  # type: ignore[attr-defined]
+            assert p not in self.pulled, f"prompt {p} pulled twice"
+            assert p == len(self.pulled), f"prompt {p} pulled out of dataset order"
+            self.pulled.append(p)
+            self.group_prompt[ev.group_id] = p  # type: ignore[attr-defined]
+        elif t == "GroupSelected":
+            self.selections[ev.prompt_index].append(ev.train_step)  # type: ignore[attr-defined]
+        elif t == "BatchSelected":
+            self.batches[ev.train_step] = list(ev.group_ids)  # type: ignore[attr-defined]
+        elif t == "StepTrained":
+            for gid in self.batches.pop(ev.train_step):  # type: ignore[attr-defined]
+                p = self._end(gid, "trained")
+                self.trained_at[p] = ev.train_step  # type: ignore[attr-defined]
+        elif t == "GroupEvicted":
+            self._end(ev.group_id, "evicted")  # type: ignore[attr-defined]
+        elif t == "PromptDropped":
+            p = self._end(ev.group_id, "dropped")  # type: ignore[attr-defined]
+            self.drop_reasons[p] = ev.reason  # type: ignore[attr-defined]
+
+    @classmethod
+    def from_history(cls, store: Any, run_id: str) -> PromptLedger:
+        ledger = cls()
+        for _row, ev in iter_history(store, run_id):
+            ledger.apply(ev)
+        return ledger
+
+    def check_against(self, state: RunState) -> None:
+        """Conservation: every pulled prompt exactly once live / trained / evicted / dropped,
+        and the live ones are exactly the state's groups."""
+        assert self.pulled == list(range(state.dataset_cursor)), "pulled prompts have a gap"
+        live_state = sorted(g.prompt_index for g in state.groups.values())
+        assert len(live_state) == len(set(live_state)), f"a prompt is live twice: {live_state}"
+        assert sorted(self.live()) == live_state, (
+            f"ledger live {sorted(self.live())} != state live {live_state}"
+        )
+        fates = list(self.fate.values())
+        c = state.counters
+        assert fates.count("trained") == c.groups_trained
+        assert fates.count("evicted") == c.groups_evicted
+        assert fates.count("dropped") == c.prompts_dropped
+        for p, steps in self.selections.items():
+            # A prompt is selected at most once per history (a restore cuts the abandoned
+            # selections out of the history, so they are not seen here).
+            assert len(steps) == 1, f"prompt {p} selected for steps {steps}"
