@@ -144,7 +144,10 @@ class EventStore:
             f"AND seq <= {mark} ORDER BY seq LIMIT {mark}"
         )
         if self._is_sqlite:
-            self._payload_sql = "INSERT OR IGNORE INTO payloads (run_id, payload_id, kind, data) VALUES (?, ?, ?, ?)"
+            self._payload_sql = (
+                "INSERT OR IGNORE INTO payloads (run_id, payload_id, kind, data) "
+                "VALUES (?, ?, ?, ?)"
+            )
         else:
             self._payload_sql = (
                 "INSERT INTO payloads (run_id, payload_id, kind, data) VALUES (%s, %s, %s, %s) "
@@ -459,9 +462,8 @@ class EventStore:
         nxt = max(1, from_seq)
         parse_ts = _parse_ts
         while nxt <= upper:
-            with self._translate_errors(f"reading run {run_id!r}"):
-                with self.engine.connect() as conn:
-                    rows = self._fetch_tuples(conn, self._read_sql, (run_id, nxt, upper, page_size))
+            with self._translate_errors(f"reading run {run_id!r}"), self.engine.connect() as conn:
+                rows = self._fetch_tuples(conn, self._read_sql, (run_id, nxt, upper, page_size))
             if not rows:
                 return
             # Columns come in StoredEvent's field order (see _READ_COLS).
