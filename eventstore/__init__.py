@@ -24,6 +24,8 @@ from .errors import (
     UnknownEventTypeError,
 )
 from .groupcommit import GroupCommitter
+from .history import history_segments
+from .memory import MemoryEventStore
 from .payloads import decode_arrays, encode_arrays
 from .records import NewEvent, PayloadPut, RunInfo, Snapshot, StoredEvent
 from .store import EventStore, normalise_url
@@ -40,6 +42,7 @@ __all__ = [
     "EventStore",
     "GroupCommitClosedError",
     "GroupCommitter",
+    "MemoryEventStore",
     "NewEvent",
     "NewerSchemaVersionError",
     "PayloadNotFoundError",
@@ -57,5 +60,6 @@ __all__ = [
     "UnknownEventTypeError",
     "decode_arrays",
     "encode_arrays",
+    "history_segments",
     "normalise_url",
 ]

@@ -118,9 +118,7 @@ class EventCodec:
         if cls is None:
             raise UnknownEventTypeError(row.seq, row.type, row.schema_version)
         if row.schema_version > cls.schema_version:
-            raise NewerSchemaVersionError(
-                row.seq, row.type, row.schema_version, cls.schema_version
-            )
+            raise NewerSchemaVersionError(row.seq, row.type, row.schema_version, cls.schema_version)
         try:
             if row.schema_version == cls.schema_version:
                 return cls.model_validate_json(row.payload)

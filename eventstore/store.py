@@ -35,6 +35,7 @@ from .errors import (
     StoreUnavailableError,
     StoreUrlError,
 )
+from .history import history_segments
 from .records import NewEvent, PayloadPut, RunInfo, Snapshot, StoredEvent
 from .schema import epochs, events, payloads, runs, snapshots
 
@@ -326,31 +327,7 @@ class EventStore:
                 ).scalar_one_or_none()
         if last is None:
             raise RunNotFoundError(f"no run {run_id!r}")
-        spans = [(r.epoch, r.first_seq, r.resume_seq) for r in rows]
-        # Each epoch wrote offsets first_seq .. (next epoch's first_seq - 1).
-        writes = [
-            (first, (spans[i + 1][1] - 1) if i + 1 < len(spans) else last, resume)
-            for i, (_e, first, resume) in enumerate(spans)
-        ]
-        target = last if to_seq is None else to_seq
-        if not 0 <= target <= last:
-            raise StoreError(f"offset {target} is outside run {run_id!r} (1..{last})")
-        segments: list[tuple[int, int]] = []
-        upto = target
-        # Walk back: find the epoch that wrote `upto`, take its range, jump to its resume.
-        for first, end, resume in reversed(writes):
-            if upto < first:
-                continue
-            if upto > end:
-                # `upto` lies in a range written later than this epoch; cannot happen
-                # because we walk epochs newest first and stop at the writer.
-                continue
-            segments.append((first, upto))
-            upto = resume
-            if upto == 0:
-                break
-        segments.reverse()
-        return [(a, b) for a, b in segments if a <= b]
+        return history_segments(run_id, [(r.first_seq, r.resume_seq) for r in rows], last, to_seq)
 
     def read_history(
         self, run_id: str, to_seq: int | None = None, *, from_seq: int = 1

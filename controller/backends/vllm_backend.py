@@ -172,14 +172,15 @@ class VLLMBackend:
             "worker_extension_cls": _EXTENSION,
         }
         kwargs.update(self.engine_kwargs)
+        # No local variable holds the engine: vLLM keeps some import-time tracebacks (and
+        # so this frame) alive, which would keep a closed engine around until exit.
         try:
-            engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+            self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         except Exception as exc:
             raise BackendUnavailableError(
                 f"vLLM engine failed to start for {self.model_dir}: {type(exc).__name__}: {exc}"
             ) from exc
-        self._engine = engine
-        self._vocab_size = int(engine.model_config.get_vocab_size())
+        self._vocab_size = int(self._engine.model_config.get_vocab_size())
 
     async def close(self) -> None:
         """Abort what is in flight and shut the engine (and its processes) down."""

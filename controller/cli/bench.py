@@ -8,3 +8,8 @@ import click
 @click.group()
 def bench() -> None:
     """Benchmarks (each prints ratios against a baseline measured in the same run)."""
+
+
+from .bench_durability import durability  # noqa: E402
+
+bench.add_command(durability)

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from controller.config import RolloutConfig
+from controller.config import RolloutConfig, StoreConfig
 from controller.domain import (
     AbortSibling,
     AdmitStep,
@@ -32,10 +32,15 @@ from controller.domain import (
     initial_state,
 )
 from controller.domain.commands import Command
-from controller.domain.errors import DatasetExhaustedError, LookaheadExceededError
+from controller.domain.errors import (
+    BatchNotReadyError,
+    DatasetExhaustedError,
+    LookaheadExceededError,
+)
 from controller.domain.events import RolloutEvent
 from controller.domain.state import GroupState, Phase, RunState, SiblingStatus
-from controller.rollout import iter_history
+from controller.rollout import RecoveryReport, RolloutController, iter_history, replay
+from eventstore import EventStore
 
 Applied = list[tuple[int, RolloutEvent]]
 
@@ -293,3 +298,71 @@ class PromptLedger:
             # A prompt is selected at most once per history (a restore cuts the abandoned
             # selections out of the history, so they are not seen here).
             assert len(steps) == 1, f"prompt {p} selected for steps {steps}"
+
+
+# ---------------------------------------------------------------- controllers
+
+
+def store_config(*, snapshot_interval: int = 0, window_ms: float = 0.0) -> StoreConfig:
+    """A store config for tests: no commit window (tests flush often), rare snapshots."""
+    return StoreConfig(snapshot_interval=snapshot_interval, group_commit_window_ms=window_ms)
+
+
+def start(
+    store: EventStore,
+    config: RolloutConfig,
+    *,
+    run_id: str = "run",
+    dataset_size: int = 40,
+    snapshot_interval: int = 0,
+) -> RolloutController:
+    """A new run on ``store``."""
+    return RolloutController.start(
+        store,
+        run_id,
+        config,
+        dataset_fingerprint="toy-dataset",
+        dataset_size=dataset_size,
+        store_config=store_config(snapshot_interval=snapshot_interval),
+    )
+
+
+def restore(
+    store: EventStore, config: RolloutConfig, offset: int | None, *, run_id: str = "run", **kw: Any
+) -> tuple[RolloutController, RecoveryReport]:
+    """Restore the run (with its own config unless ``kw`` says otherwise)."""
+    kw.setdefault("store_config", store_config())
+    return RolloutController.restore(store, run_id, offset, rollout=config, **kw)
+
+
+def assert_replay_equals_live(ctl: RolloutController) -> None:
+    """The state rebuilt from the log (with and without snapshots) is the live state."""
+    ctl.flush()
+    live = ctl.state.to_snapshot()
+    full = replay(ctl.store, ctl.run_id, use_snapshots=False)
+    assert full.state.to_snapshot() == live
+    fast = replay(ctl.store, ctl.run_id, use_snapshots=True)
+    assert fast.state.to_snapshot() == live
+
+
+def drive_to_end(ctl: Driver, *, max_steps: int = 200) -> list[int]:
+    """Admit, generate and train until no further batch can form; return the steps trained.
+
+    Generation uses the published weights; every step publishes its new weights.
+    """
+    trained: list[int] = []
+    for _ in range(max_steps):
+        admit_all(ctl)
+        for g in sorted(ctl.state.live_groups(Phase.ADMITTED), key=lambda g: g.group_id):
+            finish_group(ctl, g.group_id)
+        step = ctl.state.train_step
+        try:
+            applied = ctl.execute(SelectBatch(step))
+        except BatchNotReadyError:
+            return trained
+        if not only(applied, "BatchSelected"):
+            continue  # evictions first; select again
+        ctl.execute(RecordTrainStep(step, ctl.state.weight_version + 1))
+        ctl.execute(PublishWeights(ctl.state.weight_version))
+        trained.append(step)
+    raise AssertionError(f"the run did not finish within {max_steps} steps")

@@ -165,9 +165,7 @@ def test_a_drop_in_an_already_selected_step_is_not_replaced() -> None:
 
 
 def test_shrink_down_to_min_step_fraction_then_the_run_fails() -> None:
-    run = PureRun(
-        groups_per_step=4, min_step_fraction=0.5, spare_pool_size=2, drop_policy="shrink"
-    )
+    run = PureRun(groups_per_step=4, min_step_fraction=0.5, spare_pool_size=2, drop_policy="shrink")
     admit(run)  # groups 0..3, spares 4, 5
     first = _drop(run, 0)
     assert kinds(first) == ["SiblingFailed", "PromptDropped"]  # no spare is used

@@ -118,7 +118,7 @@ def test_completing_a_sibling_that_is_not_in_flight_is_illegal() -> None:
     fail(run, 0, 2, retryable=True)
     with pytest.raises(IllegalTransitionError, match="pending, not in flight"):
         run.execute(CompleteSibling(0, 2, 1, 0, 3, 4, 0.5, "p", "stop"))
-    with pytest.raises(IllegalTransitionError, match="siblings 0..2, not 3"):
+    with pytest.raises(IllegalTransitionError, match=r"siblings 0\.\.2, not 3"):
         run.execute(CompleteSibling(0, 3, 1, 0, 3, 4, 0.5, "p", "stop"))
     with pytest.raises(UnknownGroupError, match="group 99"):
         run.execute(CompleteSibling(99, 0, 1, 0, 3, 4, 0.5, "p", "stop"))
@@ -150,7 +150,7 @@ def test_dispatch_rules() -> None:
         run.execute(DispatchSiblings(0, (), 0))
     with pytest.raises(IllegalTransitionError, match="repeats siblings"):
         run.execute(DispatchSiblings(0, (1, 1), 0))
-    with pytest.raises(IllegalTransitionError, match="siblings 0..1, not 2"):
+    with pytest.raises(IllegalTransitionError, match=r"siblings 0\.\.1, not 2"):
         run.execute(DispatchSiblings(0, (2,), 0))
     with pytest.raises(IllegalTransitionError, match="trainer is at 0"):
         run.execute(DispatchSiblings(0, (0,), 1))

@@ -16,7 +16,11 @@ from storetest_helpers import REPO_ROOT, make_batch, worker_cmd
 
 from eventstore import (
     EventStore,
+    NewEvent,
+    PayloadNotFoundError,
+    PayloadPut,
     ReadOnlyStoreError,
+    RunExistsError,
     SchemaMismatchError,
     StoreError,
     StoreUnavailableError,
@@ -300,3 +304,46 @@ def test_foreign_tables_without_alembic_stamp(db_url: str, open_store, raw_sql) 
 def test_errors_share_one_hierarchy() -> None:
     for cls in (StoreUrlError, StoreUnavailableError, ReadOnlyStoreError, SchemaMismatchError):
         assert issubclass(cls, StoreError)
+
+
+# ---------------------------------------------------------------- bad values and foreign rows
+
+
+def test_constraint_violations_are_store_errors(store: EventStore) -> None:
+    """A NOT NULL violation surfaces as a StoreError naming the operation, not a driver error."""
+    store.create_run("r1")
+    store.append("r1", make_batch(1, 2), expected_seq=1, epoch=1)
+    bad = make_batch(3, 2)
+    bad[1] = NewEvent("T", 1, None, bad[0].recorded_at)  # type: ignore[arg-type]
+    with pytest.raises(StoreError, match="appending to run 'r1'") as info:
+        store.append("r1", bad, expected_seq=3, epoch=1)
+    assert not isinstance(info.value, RunExistsError)
+    assert not isinstance(info.value.__cause__, StoreError)  # the driver error is the cause
+    assert store.last_seq("r1") == 2
+    assert [e.seq for e in store.read("r1")] == [1, 2]
+    with pytest.raises(StoreError, match="storing payload"):
+        store.put_payload("r1", "p", None, b"x")  # type: ignore[arg-type]
+    with pytest.raises(StoreError, match="saving a snapshot"):
+        store.save_snapshot("r1", 1, 1, None)  # type: ignore[arg-type]
+    assert store.load_snapshot("r1") is None
+
+
+def test_foreign_row_past_the_end_makes_append_fail_cleanly(store, raw_sql) -> None:  # type: ignore[no-untyped-def]
+    """A row some other program wrote at last_seq + 1 (without moving last_seq) is not
+    overwritten: the append fails as a StoreError and writes nothing."""
+    store.create_run("r1")
+    store.append("r1", make_batch(1, 2), expected_seq=1, epoch=1)
+    ts = make_batch(1, 1)[0].recorded_at
+    raw_sql(
+        "INSERT INTO events (run_id, seq, epoch, type, schema_version, recorded_at, payload) "
+        "VALUES ('r1', 3, 1, 'Foreign', 1, :ts, '{}')",
+        {"ts": ts.strftime("%Y-%m-%d %H:%M:%S.%f") if store.dialect == "sqlite" else ts},
+    )
+    with pytest.raises(StoreError, match="appending to run 'r1'"):
+        store.append(
+            "r1", make_batch(3, 2), expected_seq=3, epoch=1, payload_puts=[PayloadPut("p", "k", b"")]
+        )
+    assert store.last_seq("r1") == 2
+    assert [e.type for e in store.read("r1")] == ["Type1", "Type2", "Foreign"]
+    with pytest.raises(PayloadNotFoundError):
+        store.get_payload("r1", "p")

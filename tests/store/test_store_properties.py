@@ -28,14 +28,11 @@ SETTINGS = settings(
 
 BIGINT = st.integers(-(2**63), 2**63 - 1)
 OPTIONAL_BIGINT = st.none() | BIGINT | st.integers(-5, 5)
-# PostgreSQL TEXT cannot hold NUL characters; a JSON payload never contains a raw one
-# (JSON escapes it as \u0000), so the store's contract is for NUL-free text.
-PAYLOAD = st.text(alphabet=st.characters(exclude_characters="\x00"), max_size=300)
-TYPE = st.text(
-    alphabet=st.characters(exclude_characters="\x00", exclude_categories=("Cs",)),
-    min_size=1,
-    max_size=64,
-)
+# Text the store accepts: encodable as UTF-8 (no lone surrogates) and without NUL, which
+# PostgreSQL TEXT cannot hold (a JSON payload never has a raw one: JSON writes \u0000).
+TEXT_CHARS = st.characters(codec="utf-8", exclude_characters="\x00")
+PAYLOAD = st.text(alphabet=TEXT_CHARS, max_size=300)
+TYPE = st.text(alphabet=TEXT_CHARS, min_size=1, max_size=64)
 RECORDED_AT = st.builds(
     lambda dt, minutes: dt.replace(tzinfo=UTC).astimezone(timezone(timedelta(minutes=minutes))),
     st.datetimes(min_value=datetime(2000, 1, 1), max_value=datetime(2200, 1, 1)),

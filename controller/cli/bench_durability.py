@@ -1,0 +1,53 @@
+"""``rolloutlog bench durability``: the log on SQLite against an in-memory store."""
+
+from __future__ import annotations
+
+import json
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+
+@click.command("durability")
+@click.option("--groups", default=10_000, show_default=True, type=click.IntRange(64))
+@click.option("--groups-per-step", default=64, show_default=True, type=click.IntRange(1))
+@click.option(
+    "--latency",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(0),
+    help="Seconds the test backend spends per request (0: pure bookkeeping, the worst case).",
+)
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def durability(
+    groups: int, groups_per_step: int, latency: float, repeats: int, as_json: bool
+) -> None:
+    """Durability overhead of a synthetic rollout: SQLite log vs in-memory store."""
+    from ..benchmarks.durability_bench import run_durability_bench
+
+    result = run_durability_bench(
+        groups=groups, groups_per_step=groups_per_step, latency=latency, repeats=repeats
+    )
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    table = Table(title=f"durability overhead: {groups} groups, {result['events']} events")
+    table.add_column("log")
+    table.add_column("median seconds", justify="right")
+    table.add_column("runs")
+    table.add_row(
+        "in memory",
+        f"{result['memory_seconds']:.2f}",
+        ", ".join(f"{x:.2f}" for x in result["memory_runs"]),
+    )
+    table.add_row(
+        "SQLite",
+        f"{result['sqlite_seconds']:.2f}",
+        ", ".join(f"{x:.2f}" for x in result["sqlite_runs"]),
+    )
+    Console().print(table)
+    click.echo(
+        f"durability_overhead = {result['ratios']['durability_overhead']:.3f} (target <= 1.10)"
+    )

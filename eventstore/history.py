@@ -1,0 +1,47 @@
+"""Which offsets make up a run's history, given its epochs (shared by every backend).
+
+Epoch ``e`` writes offsets ``first_seq(e) .. first_seq(e+1) - 1`` and continues the
+history from ``resume_seq(e)``. A restore to offset ``k`` opens an epoch with
+``resume_seq = k``: the events after ``k`` written by older epochs stay stored (for
+audit and salvage) but leave the history.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .errors import StoreError
+
+
+def history_segments(
+    run_id: str,
+    epochs: Sequence[tuple[int, int]],
+    last_seq: int,
+    to_seq: int | None = None,
+) -> list[tuple[int, int]]:
+    """Inclusive ``(first, last)`` offset ranges of the history, oldest first.
+
+    ``epochs``: ``(first_seq, resume_seq)`` of every epoch, oldest first. Without
+    ``to_seq``: the history up to the newest event; with it: the history that led to
+    offset ``to_seq``.
+    """
+    target = last_seq if to_seq is None else to_seq
+    if not 0 <= target <= last_seq:
+        raise StoreError(f"offset {target} is outside run {run_id!r} (1..{last_seq})")
+    writes = [
+        (first, (epochs[i + 1][0] - 1) if i + 1 < len(epochs) else last_seq, resume)
+        for i, (first, resume) in enumerate(epochs)
+    ]
+    segments: list[tuple[int, int]] = []
+    upto = target
+    # Walk back from the newest epoch: take the range of the epoch that wrote `upto`,
+    # then continue from that epoch's resume offset.
+    for first, end, resume in reversed(writes):
+        if upto == 0:
+            break
+        if not first <= upto <= end:
+            continue
+        segments.append((first, upto))
+        upto = resume
+    segments.reverse()
+    return segments

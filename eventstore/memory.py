@@ -1,0 +1,250 @@
+"""An in-memory event store with exactly the contract of :class:`EventStore`.
+
+For tests and benchmarks (the durability-overhead baseline). It raises the same errors
+in the same situations — conflicts, fencing, unknown runs, missing payloads — and is
+run through the same contract suite as the SQLite and PostgreSQL backends. Nothing
+survives the process.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from .errors import (
+    AppendConflictError,
+    EpochFencedError,
+    PayloadNotFoundError,
+    RunExistsError,
+    RunNotFoundError,
+    StoreError,
+)
+from .history import history_segments
+from .records import NewEvent, PayloadPut, RunInfo, Snapshot, StoredEvent
+
+
+@dataclass
+class _Run:
+    info: RunInfo
+    events: list[StoredEvent] = field(default_factory=list)
+    epochs: list[tuple[int, int]] = field(default_factory=list)  # (first_seq, resume_seq)
+    snapshots: dict[int, Snapshot] = field(default_factory=dict)
+    payloads: dict[str, bytes] = field(default_factory=dict)
+
+
+class MemoryEventStore:
+    """The :class:`EventStore` API over Python lists, guarded by one lock."""
+
+    dialect = "memory"
+    readonly = False
+
+    def __init__(self) -> None:
+        self._runs: dict[str, _Run] = {}
+        self._lock = threading.Lock()
+        self.url = "memory://"
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def __enter__(self) -> MemoryEventStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _run(self, run_id: str) -> _Run:
+        run = self._runs.get(run_id)
+        if run is None:
+            raise RunNotFoundError(f"no run {run_id!r} in memory")
+        return run
+
+    # ------------------------------------------------------------------ runs
+    def create_run(
+        self,
+        run_id: str,
+        *,
+        config_fingerprint: str = "",
+        config_json: str = "{}",
+        epoch: int = 1,
+    ) -> RunInfo:
+        """Register a new, empty run."""
+        if not run_id or len(run_id) > 128:
+            raise StoreError(f"run id must be 1..128 characters, got {run_id!r}")
+        with self._lock:
+            if run_id in self._runs:
+                raise RunExistsError(f"run {run_id!r} already exists")
+            info = RunInfo(run_id, datetime.now(UTC), config_fingerprint, config_json, epoch, 0)
+            self._runs[run_id] = _Run(info=info, epochs=[(1, 0)])
+            return info
+
+    def get_run(self, run_id: str) -> RunInfo:
+        """The run's row."""
+        with self._lock:
+            return self._run(run_id).info
+
+    def list_runs(self) -> list[RunInfo]:
+        """Every run, oldest first."""
+        with self._lock:
+            return sorted((r.info for r in self._runs.values()), key=lambda i: i.created_at)
+
+    def open_epoch(
+        self,
+        run_id: str,
+        *,
+        expected_epoch: int | None = None,
+        resume_seq: int | None = None,
+    ) -> int:
+        """Raise the epoch (see :meth:`EventStore.open_epoch`)."""
+        with self._lock:
+            run = self._run(run_id)
+            info = run.info
+            if expected_epoch is not None and info.current_epoch != expected_epoch:
+                raise EpochFencedError(run_id, expected_epoch, info.current_epoch)
+            resume = info.last_seq if resume_seq is None else resume_seq
+            if not 0 <= resume <= info.last_seq:
+                raise StoreError(
+                    f"cannot resume run {run_id!r} from offset {resume}: "
+                    f"the log holds offsets 1..{info.last_seq}"
+                )
+            run.info = RunInfo(
+                info.run_id,
+                info.created_at,
+                info.config_fingerprint,
+                info.config_json,
+                info.current_epoch + 1,
+                info.last_seq,
+            )
+            run.epochs.append((info.last_seq + 1, resume))
+            return info.current_epoch + 1
+
+    def history_segments(self, run_id: str, to_seq: int | None = None) -> list[tuple[int, int]]:
+        """See :meth:`EventStore.history_segments`."""
+        with self._lock:
+            run = self._run(run_id)
+            return history_segments(run_id, list(run.epochs), run.info.last_seq, to_seq)
+
+    def read_history(
+        self, run_id: str, to_seq: int | None = None, *, from_seq: int = 1
+    ) -> Iterator[StoredEvent]:
+        """See :meth:`EventStore.read_history`."""
+        for first, last in self.history_segments(run_id, to_seq):
+            if last < from_seq:
+                continue
+            yield from self.read(run_id, max(first, from_seq), last)
+
+    # ------------------------------------------------------------------ append / read
+    def append(
+        self,
+        run_id: str,
+        batch: Sequence[NewEvent],
+        *,
+        expected_seq: int,
+        epoch: int,
+        payload_puts: Sequence[PayloadPut] = (),
+    ) -> int:
+        """See :meth:`EventStore.append`: all or nothing, same errors."""
+        if not batch and not payload_puts:
+            return expected_seq - 1
+        if expected_seq < 1:
+            raise StoreError(f"expected_seq must be >= 1, got {expected_seq}")
+        with self._lock:
+            run = self._run(run_id)
+            info = run.info
+            if info.current_epoch != epoch:
+                raise EpochFencedError(run_id, epoch, info.current_epoch)
+            if batch and info.last_seq + 1 != expected_seq:
+                raise AppendConflictError(run_id, expected_seq, info.last_seq + 1)
+            for p in payload_puts:
+                run.payloads.setdefault(p.payload_id, bytes(p.data))
+            for i, ev in enumerate(batch):
+                run.events.append(
+                    StoredEvent(
+                        run_id, expected_seq + i, epoch, ev.type, ev.schema_version, ev.payload,
+                        ev.recorded_at.astimezone(UTC), ev.train_step, ev.weight_version,
+                        ev.group_id, ev.prompt_index, ev.target_step,
+                    )  # fmt: skip
+                )
+            last = expected_seq + len(batch) - 1 if batch else info.last_seq
+            run.info = RunInfo(
+                info.run_id,
+                info.created_at,
+                info.config_fingerprint,
+                info.config_json,
+                info.current_epoch,
+                last,
+            )
+            return expected_seq + len(batch) - 1
+
+    def last_seq(self, run_id: str) -> int:
+        """Sequence of the newest event (0 when empty)."""
+        return self.get_run(run_id).last_seq
+
+    def read(
+        self,
+        run_id: str,
+        from_seq: int = 1,
+        to_seq: int | None = None,
+        *,
+        page_size: int = 2000,
+    ) -> Iterator[StoredEvent]:
+        """Events ``from_seq..to_seq`` in order (a snapshot of the list at call time)."""
+        with self._lock:
+            events = self._run(run_id).events
+            hi = len(events) if to_seq is None else min(len(events), max(0, to_seq))
+            lo = max(0, from_seq - 1)
+            chunk = events[lo:hi]
+        yield from chunk
+
+    def read_where(
+        self,
+        run_id: str,
+        *,
+        group_id: int | None = None,
+        prompt_index: int | None = None,
+        train_step: int | None = None,
+        target_step: int | None = None,
+    ) -> list[StoredEvent]:
+        """Events of one group / prompt / step, in order."""
+        with self._lock:
+            events = list(self._run(run_id).events)
+        return [
+            e
+            for e in events
+            if (group_id is None or e.group_id == group_id)
+            and (prompt_index is None or e.prompt_index == prompt_index)
+            and (train_step is None or e.train_step == train_step)
+            and (target_step is None or e.target_step == target_step)
+        ]
+
+    # ------------------------------------------------------------------ snapshots / payloads
+    def save_snapshot(self, run_id: str, seq: int, schema_version: int, data: bytes) -> None:
+        """Store a state blob covering ``1..seq``."""
+        with self._lock:
+            self._run(run_id).snapshots[seq] = Snapshot(
+                run_id, seq, schema_version, datetime.now(UTC), bytes(data)
+            )
+
+    def load_snapshot(self, run_id: str, at_or_before: int | None = None) -> Snapshot | None:
+        """The newest snapshot with ``seq <= at_or_before``."""
+        with self._lock:
+            snaps = self._run(run_id).snapshots
+            keys = sorted(snaps)
+            if at_or_before is not None:
+                keys = keys[: bisect.bisect_right(keys, at_or_before)]
+            return snaps[keys[-1]] if keys else None
+
+    def put_payload(self, run_id: str, payload_id: str, kind: str, data: bytes) -> None:
+        """Store a payload (idempotent by id)."""
+        with self._lock:
+            self._run(run_id).payloads.setdefault(payload_id, bytes(data))
+
+    def get_payload(self, run_id: str, payload_id: str) -> bytes:
+        """A payload's bytes."""
+        with self._lock:
+            data = self._run(run_id).payloads.get(payload_id)
+        if data is None:
+            raise PayloadNotFoundError(f"no payload {payload_id!r} in run {run_id!r}")
+        return data
