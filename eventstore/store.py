@@ -144,16 +144,12 @@ class EventStore:
             f"SELECT {_READ_COLS} FROM events WHERE run_id = {mark} AND seq >= {mark} "
             f"AND seq <= {mark} ORDER BY seq LIMIT {mark}"
         )
-        if self._is_sqlite:
-            self._payload_sql = (
-                "INSERT OR IGNORE INTO payloads (run_id, payload_id, kind, data) "
-                "VALUES (?, ?, ?, ?)"
-            )
-        else:
-            self._payload_sql = (
-                "INSERT INTO payloads (run_id, payload_id, kind, data) VALUES (%s, %s, %s, %s) "
-                "ON CONFLICT DO NOTHING"
-            )
+        # ON CONFLICT DO NOTHING (SQLite >= 3.24) on both: only an existing id is skipped.
+        # SQLite's INSERT OR IGNORE would also silently drop a row violating NOT NULL.
+        self._payload_sql = (
+            "INSERT INTO payloads (run_id, payload_id, kind, data) "
+            f"VALUES ({mark}, {mark}, {mark}, {mark}) ON CONFLICT DO NOTHING"
+        )
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -215,7 +211,10 @@ class EventStore:
             raise StoreError(f"run id must be 1..128 characters, got {run_id!r}")
         now = datetime.now(UTC)
         try:
-            with self._translate_errors(f"creating run {run_id!r}"), self._writer.begin() as conn:
+            with (
+                self._translate_errors(f"creating run {run_id!r}", keep_integrity=True),
+                self._writer.begin() as conn,
+            ):
                 conn.execute(
                     runs.insert().values(
                         run_id=run_id,
@@ -564,22 +563,27 @@ class EventStore:
         return bytes(row.data)
 
     # ------------------------------------------------------------------ errors
-    def _translate_errors(self, doing: str) -> _ErrorTranslator:
-        return _ErrorTranslator(self, doing)
+    def _translate_errors(self, doing: str, *, keep_integrity: bool = False) -> _ErrorTranslator:
+        return _ErrorTranslator(self, doing, keep_integrity=keep_integrity)
 
 
 class _ErrorTranslator:
     """Turns driver errors into the store's error hierarchy, naming what was being done."""
 
-    def __init__(self, store: EventStore, doing: str) -> None:
+    def __init__(self, store: EventStore, doing: str, *, keep_integrity: bool = False) -> None:
         self.store = store
         self.doing = doing
+        # Only create_run interprets an IntegrityError (as RunExistsError); anywhere else it
+        # is translated like every other driver error.
+        self.keep_integrity = keep_integrity
 
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> bool:
-        if exc is None or isinstance(exc, StoreError | IntegrityError):
+        if exc is None or isinstance(exc, StoreError):
+            return False
+        if self.keep_integrity and isinstance(exc, IntegrityError):
             return False
         where = self.store.url.render_as_string(hide_password=True)
         if isinstance(exc, DBAPIError):

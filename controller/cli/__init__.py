@@ -13,6 +13,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("controller.cli.bench", "bench"),
     "demo": ("controller.cli.demo", "demo"),
     "run": ("controller.cli.demo", "run"),
+    "replay": ("controller.cli.replay", "replay"),
 }
 
 

@@ -1,0 +1,157 @@
+"""``rolloutlog replay``: debug a run's history and its restores."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from eventstore import StoreError
+
+from .common import open_store, pick_run
+
+
+def _target(spec: str) -> tuple[str, int]:
+    kind, _, value = spec.partition(":")
+    if kind not in ("group", "prompt") or not value.isdigit():
+        raise click.BadParameter(f"{spec!r}: use group:ID or prompt:INDEX", param_hint="--explain")
+    return kind, int(value)
+
+
+@click.command()
+@click.argument("db_url")
+@click.option("--run", "run_id", default=None, help="Run id (default: the newest run).")
+@click.option("--to", "to_seq", type=click.IntRange(0), default=None, help="Offset to stop at.")
+@click.option("--check", is_flag=True, help="Check every invariant after every decision.")
+@click.option(
+    "--diff",
+    nargs=2,
+    type=click.IntRange(0),
+    default=None,
+    metavar="A B",
+    help="What changed between offsets A and B.",
+)
+@click.option(
+    "--explain",
+    "explain_spec",
+    default=None,
+    metavar="group:ID|prompt:IDX",
+    help="The full history of one group or prompt.",
+)
+@click.option(
+    "--verify-decisions",
+    is_flag=True,
+    help="Re-run every recorded decision and report the first that differs.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def replay(
+    db_url: str,
+    run_id: str | None,
+    to_seq: int | None,
+    check: bool,
+    diff: tuple[int, int] | None,
+    explain_spec: str | None,
+    verify_decisions: bool,
+    as_json: bool,
+) -> None:
+    """Replay a run's log: the state at any offset (default), or one of the modes below.
+
+    Exit code 1 when --check finds a violation or --verify-decisions a mismatch.
+    """
+    from .. import replay_tool as rt
+    from ..domain.errors import DomainError
+
+    store = open_store(db_url)
+    console = Console()
+    try:
+        rid = pick_run(store, run_id)
+        failed = False
+        out: dict[str, Any]
+        if check:
+            res = rt.check_history(store, rid, to_seq)
+            out = {
+                "run_id": rid,
+                "events_checked": res.events_checked,
+                "decisions_checked": res.decisions_checked,
+                "violation": res.violation,
+            }
+            failed = res.violation is not None
+        elif diff is not None:
+            out = rt.diff_states(rt.state_at(store, rid, diff[0]), rt.state_at(store, rid, diff[1]))
+        elif explain_spec is not None:
+            kind, value = _target(explain_spec)
+            events = (
+                rt.explain(store, rid, group_id=value)
+                if kind == "group"
+                else rt.explain(store, rid, prompt=value)
+            )
+            out = {"run_id": rid, "target": explain_spec, "events": events}
+        elif verify_decisions:
+            v = rt.verify_decisions(store, rid, to_seq)
+            out = {
+                "run_id": rid,
+                "decisions_verified": v.decisions_verified,
+                "decisions_skipped": v.decisions_skipped,
+                "mismatch": v.mismatch,
+            }
+            failed = v.mismatch is not None
+        else:
+            out = rt.state_summary(rt.state_at(store, rid, to_seq))
+    except (StoreError, DomainError, ValueError) as exc:
+        raise click.ClickException(f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        store.close()
+    if as_json:
+        click.echo(json.dumps(out, default=str))
+    else:
+        _render(console, out)
+    if failed:
+        sys.exit(1)
+
+
+def _render(console: Console, out: dict[str, Any]) -> None:
+    if "events" in out:
+        table = Table(title=f"history of {out['target']} in run {out['run_id']}")
+        for col in ("offset", "epoch", "type", "in history", "train step", "details"):
+            table.add_column(col)
+        for e in out["events"]:
+            details = ", ".join(f"{k}={v}" for k, v in e["event"].items())
+            table.add_row(
+                str(e["offset"]), str(e["epoch"]), e["type"],
+                "yes" if e["in_history"] else "abandoned", str(e["train_step"]), details,
+            )  # fmt: skip
+        console.print(table)
+        return
+    if "violation" in out:
+        v = out["violation"]
+        if v is None:
+            console.print(
+                f"[green]all invariants hold[/green] over {out['events_checked']} events "
+                f"({out['decisions_checked']} decisions)"
+            )
+        else:
+            console.print(
+                f"[red]invariant violated[/red] at offset {v['offset']} ({v['event_type']})"
+            )
+            console.print(f"  {v['error']} (invariant {v['invariant']}): {v['message']}")
+            for gid, hist in v["group_histories"].items():
+                console.print(f"  history of group {gid}:")
+                for e in hist:
+                    console.print(f"    {e['offset']:>8}  {e['type']}  {e['event']}")
+        return
+    if "mismatch" in out:
+        m = out["mismatch"]
+        if m is None:
+            console.print(
+                f"[green]every decision reproduces[/green]: {out['decisions_verified']} verified, "
+                f"{out['decisions_skipped']} with outside inputs skipped"
+            )
+        else:
+            console.print(f"[red]decision differs[/red] at offset {m['offset']} ({m['command']})")
+            console.print_json(json.dumps(m, default=str))
+        return
+    console.print_json(json.dumps(out, default=str))

@@ -1,0 +1,968 @@
+"""Metrics as a projection: one fold over the log's events, live or offline.
+
+:class:`MetricsProjection` is the only code that turns events into metric values. The
+live path (a controller listener, see :mod:`controller.metrics.live`) and the offline
+path (rows read back with :func:`controller.rollout.iter_history`) call the same
+:meth:`MetricsProjection.apply` with the same inputs: the event's offset, the stored
+row's metadata (:class:`EventMeta`: ``recorded_at`` UTC, the train step and weight
+version at that moment, the epoch) and the decoded event. So a projection computed live
+and the same projection recomputed from the log are equal, value for value.
+
+The fold keeps what it needs and nothing more: counters, a slim mirror of the live
+groups (phase, siblings in flight, token counts and rewards of finished siblings — the
+tokens a group commits are only known by adding up its siblings), and two time series:
+one row per trained step and one per restore. Timing metrics that the log cannot know
+(append latency, checkpoint and restore durations) are not part of the fold; they live
+in :class:`controller.metrics.live.LiveTimings`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal
+
+from eventstore import EventStore, StoredEvent
+
+from ..domain.events import (
+    CODEC,
+    BatchSelected,
+    CheckpointMarked,
+    GroupAdmitted,
+    GroupBorrowed,
+    GroupCommitted,
+    GroupEvicted,
+    GroupSelected,
+    PromptDropped,
+    RolloutEvent,
+    RunRestored,
+    RunResumed,
+    RunStarted,
+    SiblingAborted,
+    SiblingCompleted,
+    SiblingDispatched,
+    SiblingFailed,
+    SpareAssigned,
+    SparePulled,
+    StepAdmitted,
+    StepTrained,
+    WeightsPublished,
+)
+
+MetricKind = Literal["counter", "gauge", "histogram"]
+
+#: Buckets of ``rollout_selected_group_staleness`` (weight versions; staleness is an integer).
+STALENESS_BUCKETS: tuple[float, ...] = (0, 1, 2, 3, 4, 5, 6, 8, 10, 16, 32)
+
+#: Values of the ``outcome`` label of ``rollout_prompts_dropped_total`` (what filled the slot).
+DROP_OUTCOMES: tuple[str, ...] = ("replaced", "borrowed", "shrunk", "unreplaced", "run_failed")
+
+
+@dataclass(frozen=True, slots=True)
+class MetricInfo:
+    """One exported metric: its kind, unit, labels and meaning."""
+
+    kind: MetricKind
+    unit: str
+    help: str
+    labels: tuple[str, ...] = ()
+    live_only: bool = False
+
+
+#: Every metric rolloutlog exports, by the name its samples carry in Prometheus.
+METRICS: dict[str, MetricInfo] = {
+    # ---------------------------------------------------------------- tokens
+    "rollout_tokens_generated_total": MetricInfo(
+        "counter", "tokens", "Completion tokens of every finished sibling (generated work)."
+    ),
+    "rollout_tokens_committed_total": MetricInfo(
+        "counter",
+        "tokens",
+        "Completion tokens of the groups that entered the replay buffer (all siblings done).",
+    ),
+    # ---------------------------------------------------------------- prompts and siblings
+    "rollout_prompts_pulled_total": MetricInfo(
+        "counter", "prompts", "Prompts pulled from the dataset (into a step or the spare pool)."
+    ),
+    "rollout_siblings_dispatched_total": MetricInfo(
+        "counter", "siblings", "Sibling attempts sent to generation."
+    ),
+    "rollout_siblings_completed_total": MetricInfo(
+        "counter", "siblings", "Sibling attempts that finished with a completion."
+    ),
+    "rollout_siblings_failed_total": MetricInfo(
+        "counter",
+        "siblings",
+        "Sibling attempts that failed, by whether another attempt may follow.",
+        ("retryable",),
+    ),
+    "rollout_siblings_aborted_total": MetricInfo(
+        "counter", "siblings", "Sibling attempts abandoned (stale weights, backend abort)."
+    ),
+    # ---------------------------------------------------------------- groups
+    "rollout_groups_committed_total": MetricInfo(
+        "counter", "groups", "Groups whose siblings all finished (entered the replay buffer)."
+    ),
+    "rollout_groups_selected_total": MetricInfo(
+        "counter", "groups", "Groups put into a training batch."
+    ),
+    "rollout_groups_trained_total": MetricInfo(
+        "counter", "groups", "Groups of the batches the trainer reported as trained."
+    ),
+    "rollout_batch_shortfall_groups_total": MetricInfo(
+        "counter", "groups", "Groups missing from trained batches (recorded shortfall)."
+    ),
+    "rollout_groups_evicted_total": MetricInfo(
+        "counter",
+        "groups",
+        "Groups removed unused; reason=stale beyond the staleness bound, other otherwise; "
+        "recovered=true for groups that came back in a restore.",
+        ("reason", "recovered"),
+    ),
+    "rollout_prompts_dropped_total": MetricInfo(
+        "counter",
+        "prompts",
+        "Prompts that left the run unfinished (attempts exhausted), by what filled the slot.",
+        ("outcome",),
+    ),
+    "rollout_replacements_total": MetricInfo(
+        "counter", "groups", "Spare prompts stamped to replace a dropped or evicted group."
+    ),
+    "rollout_borrows_total": MetricInfo(
+        "counter", "groups", "Ready groups moved from a later step to fill a short step."
+    ),
+    "rollout_selected_group_staleness": MetricInfo(
+        "histogram",
+        "weight versions",
+        "Staleness of each selected group: trainer weight version minus the group's oldest "
+        "sibling version (weight versions).",
+    ),
+    # ---------------------------------------------------------------- gauges
+    "rollout_siblings_in_flight": MetricInfo(
+        "gauge", "siblings", "Siblings dispatched and not yet finished, failed or aborted."
+    ),
+    "rollout_groups_generating": MetricInfo(
+        "gauge", "groups", "Groups admitted and not yet complete (in flight or partial)."
+    ),
+    "rollout_buffer_groups": MetricInfo(
+        "gauge", "groups", "Ready groups waiting in the replay buffer."
+    ),
+    "rollout_spare_groups": MetricInfo("gauge", "groups", "Prompts held in the spare pool."),
+    "rollout_train_step": MetricInfo(
+        "gauge", "steps", "Train steps trained so far (= the next step to train)."
+    ),
+    "rollout_weight_version": MetricInfo("gauge", "versions", "The trainer's weight version."),
+    "rollout_published_weight_version": MetricInfo(
+        "gauge", "versions", "The weight version generation serves."
+    ),
+    "rollout_batch_reward_mean": MetricInfo(
+        "gauge", "reward", "Mean reward over the siblings of the last trained batch."
+    ),
+    "rollout_epoch": MetricInfo(
+        "gauge", "epochs", "The run's epoch (raised by every restore or takeover)."
+    ),
+    "rollout_log_offset": MetricInfo(
+        "gauge", "events", "Offset of the newest event in these metrics."
+    ),
+    "rollout_last_event_timestamp_seconds": MetricInfo(
+        "gauge", "seconds", "Wall-clock time (Unix, UTC) the newest event was recorded."
+    ),
+    # ---------------------------------------------------------------- checkpoints, restores
+    "rollout_checkpoints_total": MetricInfo(
+        "counter", "checkpoints", "Checkpoint markers written."
+    ),
+    "rollout_restores_total": MetricInfo(
+        "counter", "restores", "Restores from a checkpoint (each opens a new epoch)."
+    ),
+    "rollout_resumes_total": MetricInfo(
+        "counter", "resumes", "Takeovers of the run where it stood (no rollback)."
+    ),
+    "rollout_recovery_groups_total": MetricInfo(
+        "counter",
+        "groups",
+        "Groups found by restores: kind=complete (ready or selected, restored as they "
+        "were), kind=unfinished (in flight at the checkpoint, generated again).",
+        ("kind",),
+    ),
+    "rollout_recovery_siblings_total": MetricInfo(
+        "counter",
+        "siblings",
+        "Siblings of unfinished groups at restores: kind=reused (finished before the "
+        "checkpoint), kind=rerun (generated again), kind=salvaged (finished after the "
+        "checkpoint by weights the restored trainer has).",
+        ("kind",),
+    ),
+    "rollout_events_total": MetricInfo(
+        "counter", "events", "Events in the log's history, by event type.", ("type",)
+    ),
+    # ---------------------------------------------------------------- live only
+    "rollout_log_append_seconds": MetricInfo(
+        "histogram",
+        "seconds",
+        "Seconds each log append transaction took (live only: the log does not record it).",
+        live_only=True,
+    ),
+    "rollout_checkpoint_seconds": MetricInfo(
+        "histogram",
+        "seconds",
+        "Seconds from a checkpoint request until its marker was durable (live only).",
+        live_only=True,
+    ),
+    "rollout_restore_phase_seconds": MetricInfo(
+        "gauge",
+        "seconds",
+        "Seconds the last restore spent in each phase (live only).",
+        ("phase",),
+        live_only=True,
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class EventMeta:
+    """What the stored row says about an event besides the event itself."""
+
+    recorded_at: datetime  # wall-clock UTC when the controller recorded the event
+    train_step: int | None  # steps trained at that moment
+    weight_version: int | None  # trainer weight version at that moment
+    epoch: int
+
+    @classmethod
+    def of_row(cls, row: StoredEvent) -> EventMeta:
+        """The metadata of a stored row."""
+        return cls(row.recorded_at, row.train_step, row.weight_version, row.epoch)
+
+
+class Histogram:
+    """A fixed-bucket histogram with sum, count, min and max."""
+
+    __slots__ = ("buckets", "count", "counts", "max", "min", "total")
+
+    def __init__(self, buckets: Sequence[float]) -> None:
+        if list(buckets) != sorted(set(buckets)):
+            raise ValueError(f"histogram buckets must be strictly increasing, got {buckets}")
+        self.buckets = tuple(float(b) for b in buckets)
+        self.counts = [0] * (len(self.buckets) + 1)  # the last one is +Inf
+        self.total = 0.0
+        self.count = 0
+        self.min: float | None = None
+        self.max: float | None = None
+
+    def observe(self, value: float) -> None:
+        """Count one observation."""
+        index = len(self.buckets)
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                index = i
+                break
+        self.counts[index] += 1
+        self.total += value
+        self.count += 1
+        self.min = value if self.min is None else min(self.min, value)
+        self.max = value if self.max is None else max(self.max, value)
+
+    def copy(self) -> Histogram:
+        """An independent copy."""
+        return self._clone()
+
+    def _clone(self) -> Histogram:
+        other = Histogram.__new__(Histogram)
+        other.buckets = self.buckets
+        other.counts = list(self.counts)
+        other.total, other.count, other.min, other.max = self.total, self.count, self.min, self.max
+        return other
+
+    def minus(self, base: Histogram | None) -> Histogram:
+        """Observations since ``base`` (an earlier copy); min/max are those of ``self``."""
+        out = self._clone()
+        if base is not None:
+            out.counts = [a - b for a, b in zip(self.counts, base.counts, strict=True)]
+            out.total = self.total - base.total
+            out.count = self.count - base.count
+        return out
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """``(le, cumulative count)`` pairs, Prometheus style, ending with ``+Inf``."""
+        out, running = [], 0
+        for bound, n in zip((*self.buckets, float("inf")), self.counts, strict=True):
+            running += n
+            out.append((_le(bound), running))
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """Count, sum, mean, min, max and the cumulative buckets."""
+        return {
+            "count": self.count,
+            "sum": self.total,
+            "mean": self.total / self.count if self.count else None,
+            "min": self.min,
+            "max": self.max,
+            "buckets": dict(self.cumulative()),
+        }
+
+
+def _le(bound: float) -> str:
+    if bound == float("inf"):
+        return "+Inf"
+    return str(int(bound)) if float(bound).is_integer() else repr(bound)
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One exported value: its labels and a number (or a histogram)."""
+
+    labels: Mapping[str, str]
+    value: float | Histogram
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """All samples of one metric name."""
+
+    name: str
+    info: MetricInfo
+    samples: tuple[Sample, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StepRow:
+    """The train-step axis: one row per trained step (cumulative counts at that step)."""
+
+    step: int
+    offset: int
+    time: datetime
+    wall_seconds: float  # since the run started (log time: keeps increasing across restarts)
+    epoch: int
+    weight_version: int
+    groups: int
+    shortfall: int
+    reward_mean: float | None
+    staleness_max: int | None
+    staleness_mean: float | None
+    tokens_generated: int
+    tokens_committed: int
+    groups_committed: int
+    groups_evicted: int
+    prompts_dropped: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly form (time as ISO 8601 UTC)."""
+        return {
+            "step": self.step,
+            "offset": self.offset,
+            "time": self.time.isoformat(),
+            "wall_seconds": self.wall_seconds,
+            "epoch": self.epoch,
+            "weight_version": self.weight_version,
+            "groups": self.groups,
+            "shortfall": self.shortfall,
+            "reward_mean": self.reward_mean,
+            "staleness_max": self.staleness_max,
+            "staleness_mean": self.staleness_mean,
+            "tokens_generated": self.tokens_generated,
+            "tokens_committed": self.tokens_committed,
+            "groups_committed": self.groups_committed,
+            "groups_evicted": self.groups_evicted,
+            "prompts_dropped": self.prompts_dropped,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreRow:
+    """One restore as the log records it.
+
+    ``rolled_back_seconds`` is the log time between the checkpoint it restored and the
+    restore itself: the wall-clock time the run lost (work after the checkpoint plus any
+    downtime). The durations of the restore's own phases are not in the log.
+    """
+
+    offset: int
+    time: datetime
+    wall_seconds: float
+    epoch: int
+    from_offset: int
+    mode: str
+    granularity: str
+    checkpoint_train_step: int
+    checkpoint_weight_version: int
+    rolled_back_seconds: float | None
+    complete_groups_restored: int
+    unfinished_groups_found: int
+    siblings_reused: int
+    siblings_rerun: int
+    siblings_salvaged: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly form (time as ISO 8601 UTC)."""
+        return {
+            "offset": self.offset,
+            "time": self.time.isoformat(),
+            "wall_seconds": self.wall_seconds,
+            "epoch": self.epoch,
+            "from_offset": self.from_offset,
+            "mode": self.mode,
+            "granularity": self.granularity,
+            "checkpoint_train_step": self.checkpoint_train_step,
+            "checkpoint_weight_version": self.checkpoint_weight_version,
+            "rolled_back_seconds": self.rolled_back_seconds,
+            "complete_groups_restored": self.complete_groups_restored,
+            "unfinished_groups_found": self.unfinished_groups_found,
+            "siblings_reused": self.siblings_reused,
+            "siblings_rerun": self.siblings_rerun,
+            "siblings_salvaged": self.siblings_salvaged,
+        }
+
+
+@dataclass(slots=True)
+class _Group:
+    """What the projection remembers of a live group."""
+
+    phase: Literal["spare", "admitted", "ready", "selected"]
+    in_flight: set[int] = field(default_factory=set)
+    done: dict[int, tuple[int, float]] = field(default_factory=dict)  # sibling -> tokens, reward
+
+    def clone(self) -> _Group:
+        return _Group(self.phase, set(self.in_flight), dict(self.done))
+
+
+class MetricsProjection:
+    """The metrics fold: :meth:`apply` one event after another, read :meth:`families`,
+    :meth:`values`, :attr:`steps` and :attr:`restores`.
+
+    Events must come in offset order; the offsets applied are remembered as ranges
+    (:attr:`applied_segments`) so a follower can tell whether the projection is still a
+    prefix of the log's current history (see :meth:`consistent_with`).
+    """
+
+    def __init__(self) -> None:
+        self.run_id: str | None = None
+        self.offset = 0
+        self.applied_segments: list[tuple[int, int]] = []
+        self.epoch = 0
+        self.started_at: datetime | None = None
+        self.last_meta: EventMeta | None = None
+        self.staleness_bound: int | None = None
+        self.counts: dict[str, int] = dict.fromkeys(_PLAIN_COUNTERS, 0)
+        self.failed: dict[str, int] = {"true": 0, "false": 0}
+        self.evicted: dict[tuple[str, str], int] = {
+            (r, c): 0 for r in ("stale", "other") for c in ("true", "false")
+        }
+        self.dropped: dict[str, int] = dict.fromkeys(DROP_OUTCOMES, 0)
+        self.recovery_groups: dict[str, int] = {"complete": 0, "unfinished": 0}
+        self.recovery_siblings: dict[str, int] = {"reused": 0, "rerun": 0, "salvaged": 0}
+        self.events_by_type: dict[str, int] = {}
+        self.staleness = Histogram(STALENESS_BUCKETS)
+        self.staleness_values: dict[int, int] = {}
+        self.train_step = 0
+        self.weight_version = 0
+        self.published_version = 0
+        self.last_reward_mean: float | None = None
+        self.last_checkpoint: tuple[int, datetime] | None = None
+        self.steps: list[StepRow] = []
+        self.restores: list[RestoreRow] = []
+        self._groups: dict[int, _Group] = {}
+        self._batches: dict[int, tuple[list[int], int]] = {}  # step -> groups, shortfall
+        self._step_staleness: dict[int, list[int]] = {}
+        self._checkpoint_times: dict[int, datetime] = {}
+
+    # ------------------------------------------------------------------ folding
+    def apply(self, offset: int, meta: EventMeta, event: RolloutEvent) -> None:
+        """Fold the event stored at ``offset`` (offsets must increase)."""
+        if offset <= self.offset:
+            raise ValueError(f"event at offset {offset} applied after offset {self.offset}")
+        if self.applied_segments and self.applied_segments[-1][1] + 1 == offset:
+            self.applied_segments[-1] = (self.applied_segments[-1][0], offset)
+        else:
+            self.applied_segments.append((offset, offset))
+        self.offset = offset
+        self.last_meta = meta
+        self.epoch = meta.epoch
+        if self.started_at is None:
+            self.started_at = meta.recorded_at
+        self.events_by_type[event.event_type] = self.events_by_type.get(event.event_type, 0) + 1
+        handler = _HANDLERS.get(type(event))
+        if handler is not None:
+            handler(self, offset, meta, event)
+
+    def apply_row(self, row: StoredEvent, event: RolloutEvent | None = None) -> None:
+        """Fold a stored row (decoded here unless ``event`` is given)."""
+        if event is None:
+            event = CODEC.decode(row)  # type: ignore[assignment]
+        assert event is not None
+        self.apply(row.seq, EventMeta.of_row(row), event)
+
+    def copy(self) -> MetricsProjection:
+        """An independent copy (rows are immutable and shared)."""
+        other = MetricsProjection.__new__(MetricsProjection)
+        for name in _SCALAR_FIELDS:
+            setattr(other, name, getattr(self, name))
+        other.applied_segments = list(self.applied_segments)
+        other.counts = dict(self.counts)
+        other.failed = dict(self.failed)
+        other.evicted = dict(self.evicted)
+        other.dropped = dict(self.dropped)
+        other.recovery_groups = dict(self.recovery_groups)
+        other.recovery_siblings = dict(self.recovery_siblings)
+        other.events_by_type = dict(self.events_by_type)
+        other.staleness = self.staleness.copy()
+        other.staleness_values = dict(self.staleness_values)
+        other.steps = list(self.steps)
+        other.restores = list(self.restores)
+        other._groups = {gid: g.clone() for gid, g in self._groups.items()}
+        other._batches = {k: (list(g), n) for k, (g, n) in self._batches.items()}
+        other._step_staleness = {k: list(v) for k, v in self._step_staleness.items()}
+        other._checkpoint_times = dict(self._checkpoint_times)
+        return other
+
+    def consistent_with(self, segments: Sequence[tuple[int, int]]) -> bool:
+        """Whether what was applied is exactly the history ``segments`` up to :attr:`offset`.
+
+        False once a restore has abandoned offsets this projection folded.
+        """
+        truncated = []
+        for first, last in segments:
+            if first > self.offset:
+                break
+            truncated.append((first, min(last, self.offset)))
+        return truncated == self.applied_segments
+
+    # ------------------------------------------------------------------ handlers
+    def _run_started(self, _o: int, _m: EventMeta, ev: RunStarted) -> None:
+        self.run_id = ev.run_id
+        self.staleness_bound = int(ev.rollout["staleness_bound"])
+
+    def _group_admitted(self, _o: int, _m: EventMeta, ev: GroupAdmitted) -> None:
+        self._groups[ev.group_id] = _Group("admitted")
+        self.counts["prompts_pulled"] += 1
+
+    def _spare_pulled(self, _o: int, _m: EventMeta, ev: SparePulled) -> None:
+        self._groups[ev.group_id] = _Group("spare")
+        self.counts["prompts_pulled"] += 1
+
+    def _spare_assigned(self, _o: int, _m: EventMeta, ev: SpareAssigned) -> None:
+        self._group(ev.group_id).phase = "admitted"
+        if ev.replaces_group_id is not None:
+            self.counts["replacements"] += 1
+
+    def _dispatched(self, _o: int, _m: EventMeta, ev: SiblingDispatched) -> None:
+        self._group(ev.group_id).in_flight.add(ev.sibling)
+        self.counts["siblings_dispatched"] += 1
+
+    def _completed(self, _o: int, _m: EventMeta, ev: SiblingCompleted) -> None:
+        group = self._group(ev.group_id)
+        group.in_flight.discard(ev.sibling)
+        group.done[ev.sibling] = (ev.completion_tokens, ev.reward)
+        self.counts["siblings_completed"] += 1
+        self.counts["tokens_generated"] += ev.completion_tokens
+
+    def _failed(self, _o: int, _m: EventMeta, ev: SiblingFailed) -> None:
+        self._group(ev.group_id).in_flight.discard(ev.sibling)
+        self.failed["true" if ev.retryable else "false"] += 1
+
+    def _aborted(self, _o: int, _m: EventMeta, ev: SiblingAborted) -> None:
+        self._group(ev.group_id).in_flight.discard(ev.sibling)
+        self.counts["siblings_aborted"] += 1
+
+    def _committed(self, _o: int, _m: EventMeta, ev: GroupCommitted) -> None:
+        group = self._group(ev.group_id)
+        group.phase = "ready"
+        self.counts["groups_committed"] += 1
+        self.counts["tokens_committed"] += sum(tokens for tokens, _ in group.done.values())
+
+    def _dropped(self, _o: int, _m: EventMeta, ev: PromptDropped) -> None:
+        self._groups.pop(ev.group_id, None)
+        self.dropped[ev.outcome] = self.dropped.get(ev.outcome, 0) + 1
+
+    def _borrowed(self, _o: int, _m: EventMeta, _ev: GroupBorrowed) -> None:
+        self.counts["borrows"] += 1
+
+    def _evicted(self, _o: int, _m: EventMeta, ev: GroupEvicted) -> None:
+        self._groups.pop(ev.group_id, None)
+        bound = self.staleness_bound
+        reason = "stale" if bound is not None and ev.staleness > bound else "other"
+        key = (reason, "true" if ev.recovered else "false")
+        self.evicted[key] += 1
+
+    def _selected(self, _o: int, _m: EventMeta, ev: GroupSelected) -> None:
+        self._group(ev.group_id).phase = "selected"
+        self.counts["groups_selected"] += 1
+        self.staleness.observe(ev.staleness)
+        self.staleness_values[ev.staleness] = self.staleness_values.get(ev.staleness, 0) + 1
+        self._step_staleness.setdefault(ev.train_step, []).append(ev.staleness)
+
+    def _batch_selected(self, _o: int, _m: EventMeta, ev: BatchSelected) -> None:
+        self._batches[ev.train_step] = (list(ev.group_ids), ev.shortfall)
+        self.counts["shortfall"] += ev.shortfall
+
+    def _step_trained(self, offset: int, meta: EventMeta, ev: StepTrained) -> None:
+        gids, shortfall = self._batches.pop(ev.train_step, ([], 0))
+        rewards: list[float] = []
+        for gid in gids:
+            group = self._groups.pop(gid, None)
+            if group is not None:
+                rewards.extend(group.done[s][1] for s in sorted(group.done))
+        staleness = self._step_staleness.pop(ev.train_step, [])
+        self.counts["groups_trained"] += len(gids)
+        self.train_step = ev.train_step + 1
+        self.weight_version = ev.weight_version
+        reward_mean = sum(rewards) / len(rewards) if rewards else None
+        self.last_reward_mean = reward_mean
+        self.steps.append(
+            StepRow(
+                step=ev.train_step,
+                offset=offset,
+                time=meta.recorded_at,
+                wall_seconds=self._wall(meta),
+                epoch=meta.epoch,
+                weight_version=ev.weight_version,
+                groups=len(gids),
+                shortfall=shortfall,
+                reward_mean=reward_mean,
+                staleness_max=max(staleness) if staleness else None,
+                staleness_mean=sum(staleness) / len(staleness) if staleness else None,
+                tokens_generated=self.counts["tokens_generated"],
+                tokens_committed=self.counts["tokens_committed"],
+                groups_committed=self.counts["groups_committed"],
+                groups_evicted=sum(self.evicted.values()),
+                prompts_dropped=sum(self.dropped.values()),
+            )
+        )
+
+    def _weights_published(self, _o: int, _m: EventMeta, ev: WeightsPublished) -> None:
+        self.published_version = ev.weight_version
+
+    def _checkpoint(self, offset: int, meta: EventMeta, _ev: CheckpointMarked) -> None:
+        self.counts["checkpoints"] += 1
+        self.last_checkpoint = (offset, meta.recorded_at)
+        self._checkpoint_times[offset] = meta.recorded_at
+
+    def _run_restored(self, offset: int, meta: EventMeta, ev: RunRestored) -> None:
+        self.counts["restores"] += 1
+        self.recovery_groups["complete"] += ev.complete_groups_restored
+        self.recovery_groups["unfinished"] += ev.unfinished_groups_found
+        self.recovery_siblings["reused"] += ev.siblings_reused
+        self.recovery_siblings["rerun"] += ev.siblings_rerun
+        self.recovery_siblings["salvaged"] += ev.siblings_salvaged
+        by_group = ev.granularity == "group"
+        for group in self._groups.values():
+            if group.phase == "admitted":
+                group.in_flight.clear()
+                if by_group:
+                    group.done.clear()
+        ckpt_time = self._checkpoint_times.get(ev.from_offset)
+        self.restores.append(
+            RestoreRow(
+                offset=offset,
+                time=meta.recorded_at,
+                wall_seconds=self._wall(meta),
+                epoch=ev.epoch,
+                from_offset=ev.from_offset,
+                mode=ev.mode,
+                granularity=ev.granularity,
+                checkpoint_train_step=ev.checkpoint_train_step,
+                checkpoint_weight_version=ev.checkpoint_weight_version,
+                rolled_back_seconds=(
+                    (meta.recorded_at - ckpt_time).total_seconds() if ckpt_time else None
+                ),
+                complete_groups_restored=ev.complete_groups_restored,
+                unfinished_groups_found=ev.unfinished_groups_found,
+                siblings_reused=ev.siblings_reused,
+                siblings_rerun=ev.siblings_rerun,
+                siblings_salvaged=ev.siblings_salvaged,
+            )
+        )
+
+    def _run_resumed(self, _o: int, _m: EventMeta, _ev: RunResumed) -> None:
+        self.counts["resumes"] += 1
+        for group in self._groups.values():
+            if group.phase == "admitted":
+                group.in_flight.clear()
+
+    def _noop(self, _o: int, _m: EventMeta, _ev: RolloutEvent) -> None:
+        return None
+
+    # ------------------------------------------------------------------ helpers
+    def _group(self, group_id: int) -> _Group:
+        group = self._groups.get(group_id)
+        if group is None:
+            # The log names a group the projection never saw: only possible for a range
+            # that does not start at the beginning of the history. Track it from here.
+            group = self._groups[group_id] = _Group("admitted")
+        return group
+
+    def _wall(self, meta: EventMeta) -> float:
+        assert self.started_at is not None
+        return (meta.recorded_at - self.started_at).total_seconds()
+
+    # ------------------------------------------------------------------ reading
+    def gauges(self) -> dict[str, float | None]:
+        """The gauge values now."""
+        in_flight = sum(len(g.in_flight) for g in self._groups.values())
+        phases = [g.phase for g in self._groups.values()]
+        meta = self.last_meta
+        return {
+            "rollout_siblings_in_flight": in_flight,
+            "rollout_groups_generating": phases.count("admitted"),
+            "rollout_buffer_groups": phases.count("ready"),
+            "rollout_spare_groups": phases.count("spare"),
+            "rollout_train_step": self.train_step,
+            "rollout_weight_version": self.weight_version,
+            "rollout_published_weight_version": self.published_version,
+            "rollout_batch_reward_mean": self.last_reward_mean,
+            "rollout_epoch": self.epoch,
+            "rollout_log_offset": self.offset,
+            "rollout_last_event_timestamp_seconds": (
+                meta.recorded_at.timestamp() if meta is not None else None
+            ),
+        }
+
+    def families(self, since: MetricsProjection | None = None) -> list[Family]:
+        """Every fold metric as exported families; counters and histograms count only
+        what happened after ``since`` (an earlier copy of this projection) when given."""
+        base = since
+
+        def plain(key: str) -> float:
+            return self.counts[key] - (base.counts[key] if base else 0)
+
+        def labelled(
+            name: str, mine: Mapping[Any, int], theirs: Mapping[Any, int] | None
+        ) -> Family:
+            info = METRICS[name]
+            samples = []
+            for key, value in sorted(mine.items()):
+                parts = key if isinstance(key, tuple) else (key,)
+                before = theirs.get(key, 0) if theirs is not None else 0
+                samples.append(Sample(dict(zip(info.labels, parts, strict=True)), value - before))
+            return Family(name, info, tuple(samples))
+
+        out: list[Family] = []
+        for name, key in _PLAIN_COUNTERS.items():
+            out.append(Family(name, METRICS[name], (Sample({}, plain(key)),)))
+        out.append(
+            labelled("rollout_siblings_failed_total", self.failed, base.failed if base else None)
+        )
+        out.append(
+            labelled("rollout_groups_evicted_total", self.evicted, base.evicted if base else None)
+        )
+        out.append(
+            labelled(
+                "rollout_prompts_dropped_total", self.dropped, base.dropped if base else None
+            )
+        )
+        out.append(
+            labelled(
+                "rollout_recovery_groups_total",
+                self.recovery_groups,
+                base.recovery_groups if base else None,
+            )
+        )
+        out.append(
+            labelled(
+                "rollout_recovery_siblings_total",
+                self.recovery_siblings,
+                base.recovery_siblings if base else None,
+            )
+        )
+        out.append(
+            labelled(
+                "rollout_events_total",
+                self.events_by_type,
+                base.events_by_type if base else None,
+            )
+        )
+        out.append(
+            Family(
+                "rollout_selected_group_staleness",
+                METRICS["rollout_selected_group_staleness"],
+                (Sample({}, self.staleness.minus(base.staleness if base else None)),),
+            )
+        )
+        for name, value in self.gauges().items():
+            if value is not None:
+                out.append(Family(name, METRICS[name], (Sample({}, float(value)),)))
+        return out
+
+    def values(self, since: MetricsProjection | None = None) -> dict[str, Any]:
+        """Everything the projection knows, JSON-friendly.
+
+        ``counters``: name -> number, or a list of ``{label: value, ..., "value": n}``;
+        ``gauges``; ``histograms``: summaries (and the exact staleness distribution);
+        ``steps``/``restores``: the time series; ``rates``: per second of log time.
+        With ``since``, counters, histograms and series cover only what came after it.
+        """
+        counters: dict[str, Any] = {}
+        histograms: dict[str, Any] = {}
+        for fam in self.families(since):
+            if fam.info.kind == "counter":
+                if fam.info.labels:
+                    counters[fam.name] = [
+                        {**s.labels, "value": s.value} for s in fam.samples
+                    ]
+                else:
+                    counters[fam.name] = fam.samples[0].value
+            elif fam.info.kind == "histogram":
+                hist = fam.samples[0].value
+                assert isinstance(hist, Histogram)
+                histograms[fam.name] = hist.summary()
+        base_values = since.staleness_values if since is not None else {}
+        histograms["rollout_selected_group_staleness"]["values"] = {
+            str(k): v - base_values.get(k, 0) for k, v in sorted(self.staleness_values.items())
+        }
+        after = since.offset if since is not None else 0
+        steps = [r for r in self.steps if r.offset > after]
+        restores = [r for r in self.restores if r.offset > after]
+        first = since.last_meta if since is not None and since.last_meta else None
+        start = first.recorded_at if first is not None else self.started_at
+        end = self.last_meta.recorded_at if self.last_meta is not None else None
+        span = (end - start).total_seconds() if start is not None and end is not None else 0.0
+
+        def rate(name: str) -> float | None:
+            value = counters[name]
+            return value / span if span > 0 else None
+
+        meta = self.last_meta
+        return {
+            "run_id": self.run_id,
+            "from_offset": after + 1,
+            "offset": self.offset,
+            "history": [list(s) for s in self.applied_segments],
+            "started_at": self.started_at.isoformat() if self.started_at else None,
+            "last_event": (
+                {
+                    "offset": self.offset,
+                    "time": meta.recorded_at.isoformat(),
+                    "train_step": meta.train_step,
+                    "weight_version": meta.weight_version,
+                    "epoch": meta.epoch,
+                }
+                if meta is not None
+                else None
+            ),
+            "wall_seconds": span,
+            "counters": counters,
+            "gauges": self.gauges(),
+            "histograms": histograms,
+            "rates": {
+                "groups_committed_per_second": rate("rollout_groups_committed_total"),
+                "groups_trained_per_second": rate("rollout_groups_trained_total"),
+                "tokens_generated_per_second": rate("rollout_tokens_generated_total"),
+                "tokens_committed_per_second": rate("rollout_tokens_committed_total"),
+            },
+            "steps": [r.to_dict() for r in steps],
+            "restores": [r.to_dict() for r in restores],
+        }
+
+
+#: Plain counters: exported name -> key in :attr:`MetricsProjection.counts`.
+_PLAIN_COUNTERS: dict[str, str] = {
+    "rollout_tokens_generated_total": "tokens_generated",
+    "rollout_tokens_committed_total": "tokens_committed",
+    "rollout_prompts_pulled_total": "prompts_pulled",
+    "rollout_siblings_dispatched_total": "siblings_dispatched",
+    "rollout_siblings_completed_total": "siblings_completed",
+    "rollout_siblings_aborted_total": "siblings_aborted",
+    "rollout_groups_committed_total": "groups_committed",
+    "rollout_groups_selected_total": "groups_selected",
+    "rollout_groups_trained_total": "groups_trained",
+    "rollout_batch_shortfall_groups_total": "shortfall",
+    "rollout_replacements_total": "replacements",
+    "rollout_borrows_total": "borrows",
+    "rollout_checkpoints_total": "checkpoints",
+    "rollout_restores_total": "restores",
+    "rollout_resumes_total": "resumes",
+}
+
+_SCALAR_FIELDS = (
+    "run_id",
+    "offset",
+    "epoch",
+    "started_at",
+    "last_meta",
+    "staleness_bound",
+    "train_step",
+    "weight_version",
+    "published_version",
+    "last_reward_mean",
+    "last_checkpoint",
+)
+
+_Handler = Callable[[MetricsProjection, int, EventMeta, Any], None]
+
+_HANDLERS: dict[type, _Handler] = {
+    RunStarted: MetricsProjection._run_started,
+    StepAdmitted: MetricsProjection._noop,
+    GroupAdmitted: MetricsProjection._group_admitted,
+    SparePulled: MetricsProjection._spare_pulled,
+    SpareAssigned: MetricsProjection._spare_assigned,
+    SiblingDispatched: MetricsProjection._dispatched,
+    SiblingCompleted: MetricsProjection._completed,
+    SiblingFailed: MetricsProjection._failed,
+    SiblingAborted: MetricsProjection._aborted,
+    GroupCommitted: MetricsProjection._committed,
+    PromptDropped: MetricsProjection._dropped,
+    GroupBorrowed: MetricsProjection._borrowed,
+    GroupEvicted: MetricsProjection._evicted,
+    GroupSelected: MetricsProjection._selected,
+    BatchSelected: MetricsProjection._batch_selected,
+    StepTrained: MetricsProjection._step_trained,
+    WeightsPublished: MetricsProjection._weights_published,
+    CheckpointMarked: MetricsProjection._checkpoint,
+    RunRestored: MetricsProjection._run_restored,
+    RunResumed: MetricsProjection._run_resumed,
+}
+
+
+def fold_rows(
+    rows: Iterable[tuple[StoredEvent, RolloutEvent]],
+    projection: MetricsProjection | None = None,
+) -> MetricsProjection:
+    """Fold decoded rows (as :func:`controller.rollout.iter_history` yields them)."""
+    proj = projection if projection is not None else MetricsProjection()
+    for row, event in rows:
+        proj.apply_row(row, event)
+    return proj
+
+
+@dataclass
+class RangeReport:
+    """The projection of a range of a run's history: ``final`` folded up to the range's
+    end, ``base`` a copy taken just before its first event (None: from the start)."""
+
+    final: MetricsProjection
+    base: MetricsProjection | None
+
+    def values(self) -> dict[str, Any]:
+        """See :meth:`MetricsProjection.values` (counters count only the range)."""
+        return self.final.values(self.base)
+
+    def families(self) -> list[Family]:
+        """See :meth:`MetricsProjection.families`."""
+        return self.final.families(self.base)
+
+
+def project_history(
+    store: EventStore,
+    run_id: str,
+    *,
+    from_seq: int | None = None,
+    to_seq: int | None = None,
+) -> RangeReport:
+    """Recompute the metrics of a stored run offline.
+
+    The fold always starts at the beginning of the history that leads to ``to_seq``
+    (default: the current history), so gauges are right at ``to_seq``; with
+    ``from_seq``, counters, histograms and the series cover events ``from_seq..to_seq``
+    only. Ranges a restore abandoned are not part of a history and are never counted.
+    """
+    from ..rollout import iter_history
+
+    proj = MetricsProjection()
+    base: MetricsProjection | None = None
+    for row, event in iter_history(store, run_id, to_seq):
+        if from_seq is not None and base is None and row.seq >= from_seq:
+            base = proj.copy()
+        proj.apply_row(row, event)
+    if from_seq is not None and base is None:
+        base = proj.copy()  # the range holds no event of this history
+    return RangeReport(proj, base if from_seq is not None and from_seq > 1 else None)

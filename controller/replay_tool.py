@@ -1,0 +1,438 @@
+"""The replay tool: the state at any offset, invariant checks at every decision, diffs of
+two offsets, one group's or prompt's full history, and re-running the recorded decisions.
+
+Events are grouped into *decisions*: the events one command produced (a leader event
+and its followers, e.g. SiblingCompleted + GroupCommitted). Invariants are checked
+between decisions — inside one, a state may be half-way (a sibling done, its group not
+yet committed) — and ``verify_decisions`` re-runs ``decide`` for each decision and
+compares the result with what the log recorded, as Temporal's replayer does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from eventstore import EventStore, StoredEvent
+
+from .domain import decide, evolve, find_violations
+from .domain.commands import (
+    AbortSibling,
+    AdmitStep,
+    Command,
+    CompleteSibling,
+    DispatchSiblings,
+    FailSibling,
+    MarkCheckpoint,
+    PublishWeights,
+    RecordTrainStep,
+    SelectBatch,
+)
+from .domain.errors import DomainError
+from .domain.events import (
+    CheckpointMarked,
+    GroupEvicted,
+    GroupSelected,
+    RolloutEvent,
+    SiblingAborted,
+    SiblingCompleted,
+    SiblingDispatched,
+    SiblingFailed,
+    StepTrained,
+    WeightsPublished,
+)
+from .domain.state import Phase, RunState
+from .rollout import iter_history, replay
+
+_ALWAYS_LEADS = {
+    "RunStarted",
+    "StepAdmitted",
+    "SiblingFailed",
+    "StepTrained",
+    "WeightsPublished",
+    "CheckpointMarked",
+    "RunRestored",
+    "RunResumed",
+}
+_NEVER_LEADS = {
+    "GroupAdmitted",
+    "SparePulled",
+    "SpareAssigned",
+    "GroupBorrowed",
+    "GroupCommitted",
+    "PromptDropped",
+    "BatchSelected",
+}
+
+
+@dataclass
+class Decision:
+    """The events one command produced, in log order."""
+
+    rows: list[StoredEvent] = field(default_factory=list)
+    events: list[RolloutEvent] = field(default_factory=list)
+
+    @property
+    def leader(self) -> RolloutEvent:
+        """The first event (the one that names the command)."""
+        return self.events[0]
+
+    @property
+    def offset(self) -> int:
+        """Offset of the leader."""
+        return self.rows[0].seq
+
+
+def _leads(event: RolloutEvent, current: Decision | None) -> bool:
+    kind = event.event_type
+    if current is None or kind in _ALWAYS_LEADS:
+        return True
+    if kind in _NEVER_LEADS:
+        return False
+    lead = current.leader
+    if isinstance(event, SiblingCompleted):
+        return event.salvaged_from is None
+    if isinstance(event, SiblingDispatched):
+        return not (isinstance(lead, SiblingDispatched) and lead.group_id == event.group_id)
+    if isinstance(event, SiblingAborted):
+        return not isinstance(lead, WeightsPublished)
+    if isinstance(event, GroupEvicted):
+        return lead.event_type not in ("WeightsPublished", "GroupEvicted", "RunRestored")
+    if isinstance(event, GroupSelected):
+        return not isinstance(lead, GroupSelected)
+    return True
+
+
+def split_decisions(pairs: Iterable[tuple[StoredEvent, RolloutEvent]]) -> Iterator[Decision]:
+    """Group a history into decisions."""
+    current: Decision | None = None
+    for row, event in pairs:
+        if _leads(event, current):
+            if current is not None:
+                yield current
+            current = Decision()
+        assert current is not None
+        current.rows.append(row)
+        current.events.append(event)
+    if current is not None:
+        yield current
+
+
+# ---------------------------------------------------------------- summaries
+
+
+def state_summary(state: RunState) -> dict[str, Any]:
+    """A JSON-friendly overview of a state."""
+    phases: dict[str, int] = {}
+    for g in state.groups.values():
+        phases[g.phase.value] = phases.get(g.phase.value, 0) + 1
+    in_flight = sum(
+        1 for g in state.groups.values() for s in g.siblings if s.status.value == "in_flight"
+    )
+    return {
+        "run_id": state.run_id,
+        "offset": state.last_seq,
+        "epoch": state.epoch,
+        "dataset_cursor": state.dataset_cursor,
+        "dispatch_cursor": state.dispatch_cursor,
+        "train_step": state.train_step,
+        "weight_version": state.weight_version,
+        "published_version": state.published_version,
+        "groups_by_phase": phases,
+        "siblings_in_flight": in_flight,
+        "spares": list(state.spares),
+        "batches": {str(k): v for k, v in state.batches.items()},
+        "loans": [
+            {
+                "group_id": loan.group_id,
+                "lender_step": loan.lender_step,
+                "borrower_step": loan.borrower_step,
+                "repaid_by": loan.repaid_by,
+            }
+            for loan in state.loans.values()
+        ],
+        "counters": {k: getattr(state.counters, k) for k in state.counters.__slots__},
+        "checkpoint": None
+        if state.checkpoint is None
+        else {
+            "offset": state.checkpoint.offset,
+            "train_step": state.checkpoint.train_step,
+            "weight_version": state.checkpoint.weight_version,
+        },
+        "failure": state.failure,
+        "invariant_violations": [str(v) for v in find_violations(state)],
+    }
+
+
+def state_at(store: EventStore, run_id: str, offset: int | None) -> RunState:
+    """The state at ``offset`` of the history (default: its end), from snapshot + tail."""
+    return replay(store, run_id, offset).state
+
+
+def diff_states(a: RunState, b: RunState) -> dict[str, Any]:
+    """What changed from ``a`` to ``b``: scalar fields, counters and groups."""
+    sa, sb = state_summary(a), state_summary(b)
+    scalars = {
+        k: {"from": sa[k], "to": sb[k]}
+        for k in (
+            "offset",
+            "epoch",
+            "dataset_cursor",
+            "dispatch_cursor",
+            "train_step",
+            "weight_version",
+            "published_version",
+        )
+        if sa[k] != sb[k]
+    }
+    counters = {
+        k: {"from": sa["counters"][k], "to": sb["counters"][k]}
+        for k in sa["counters"]
+        if sa["counters"][k] != sb["counters"][k]
+    }
+    added = sorted(set(b.groups) - set(a.groups))
+    removed = sorted(set(a.groups) - set(b.groups))
+    changed = {
+        gid: {"from": a.groups[gid].phase.value, "to": b.groups[gid].phase.value}
+        for gid in sorted(set(a.groups) & set(b.groups))
+        if a.groups[gid].phase is not b.groups[gid].phase
+        or a.groups[gid].target_step != b.groups[gid].target_step
+    }
+    return {
+        "from_offset": a.last_seq,
+        "to_offset": b.last_seq,
+        "fields": scalars,
+        "counters": counters,
+        "groups_added": added,
+        "groups_removed": removed,
+        "groups_changed": {str(k): v for k, v in changed.items()},
+    }
+
+
+# ---------------------------------------------------------------- explain
+
+
+def explain(
+    store: EventStore, run_id: str, *, group_id: int | None = None, prompt: int | None = None
+) -> list[dict[str, Any]]:
+    """Every stored event about a group (or a prompt and its groups), oldest first.
+
+    Events a restore abandoned are included and marked ``in_history: false``.
+    """
+    if (group_id is None) == (prompt is None):
+        raise ValueError("explain needs exactly one of group_id or prompt")
+    rows: dict[int, StoredEvent] = {}
+    if prompt is not None:
+        for row in store.read_where(run_id, prompt_index=prompt):
+            rows[row.seq] = row
+        groups = {r.group_id for r in rows.values() if r.group_id is not None}
+    else:
+        groups = {group_id} if group_id is not None else set()
+    for gid in groups:
+        for row in store.read_where(run_id, group_id=gid):
+            rows[row.seq] = row
+    segments = store.history_segments(run_id)
+    from .domain.events import CODEC
+
+    out = []
+    for seq in sorted(rows):
+        row = rows[seq]
+        event = CODEC.decode(row)
+        out.append(
+            {
+                "offset": seq,
+                "epoch": row.epoch,
+                "recorded_at": row.recorded_at.isoformat(),
+                "type": row.type,
+                "in_history": any(a <= seq <= b for a, b in segments),
+                "train_step": row.train_step,
+                "weight_version": row.weight_version,
+                "event": event.model_dump(),
+            }
+        )
+    return out
+
+
+# ---------------------------------------------------------------- check
+
+
+@dataclass
+class CheckResult:
+    """The first invariant violation in a history, if any."""
+
+    events_checked: int
+    decisions_checked: int
+    violation: dict[str, Any] | None
+
+
+def check_history(store: EventStore, run_id: str, to_seq: int | None = None) -> CheckResult:
+    """Replay from the start, checking every invariant after every decision."""
+    state = RunState()
+    events = decisions = 0
+    for decision in split_decisions(iter_history(store, run_id, to_seq)):
+        for row, event in zip(decision.rows, decision.events, strict=True):
+            try:
+                evolve(state, event, row.seq)
+            except DomainError as exc:
+                return CheckResult(events, decisions, _violation(store, run_id, row, event, exc))
+            events += 1
+        decisions += 1
+        found = find_violations(state)
+        if found:
+            return CheckResult(
+                events,
+                decisions,
+                _violation(store, run_id, decision.rows[-1], decision.events[-1], found[0]),
+            )
+    return CheckResult(events, decisions, None)
+
+
+def _violation(
+    store: EventStore, run_id: str, row: StoredEvent, event: RolloutEvent, exc: DomainError
+) -> dict[str, Any]:
+    groups = tuple(getattr(exc, "groups", ()) or ())
+    if not groups and row.group_id is not None:
+        groups = (row.group_id,)
+    return {
+        "offset": row.seq,
+        "event_type": row.type,
+        "event": event.model_dump(),
+        "error": type(exc).__name__,
+        "invariant": getattr(exc, "number", None),
+        "message": str(exc),
+        "groups": list(groups),
+        "group_histories": {
+            str(g): [e for e in explain(store, run_id, group_id=g) if e["offset"] <= row.seq]
+            for g in groups
+        },
+    }
+
+
+# ---------------------------------------------------------------- verify decisions
+
+
+def command_for(decision: Decision, state: RunState) -> Command | None:
+    """The command that should reproduce ``decision`` (None: not re-decidable here)."""
+    lead = decision.leader
+    kind = lead.event_type
+    if kind == "StepAdmitted":
+        return AdmitStep()
+    if isinstance(lead, SiblingDispatched):
+        sibs = tuple(e.sibling for e in decision.events if isinstance(e, SiblingDispatched))
+        return DispatchSiblings(lead.group_id, sibs, lead.weight_version)
+    if isinstance(lead, SiblingCompleted):
+        return CompleteSibling(
+            group_id=lead.group_id,
+            sibling=lead.sibling,
+            attempt=lead.attempt,
+            weight_version=lead.weight_version,
+            prompt_tokens=lead.prompt_tokens,
+            completion_tokens=lead.completion_tokens,
+            reward=lead.reward,
+            payload_id=lead.payload_id,
+            finish_reason=lead.finish_reason,
+        )
+    if isinstance(lead, SiblingFailed):
+        return FailSibling(lead.group_id, lead.sibling, lead.attempt, lead.retryable, lead.reason)
+    if isinstance(lead, SiblingAborted):
+        return AbortSibling(lead.group_id, lead.sibling, lead.attempt, lead.reason)
+    if isinstance(lead, GroupSelected):
+        return SelectBatch(lead.train_step)
+    if isinstance(lead, GroupEvicted):
+        return SelectBatch(state.train_step)
+    if isinstance(lead, StepTrained):
+        return RecordTrainStep(lead.train_step, lead.weight_version)
+    if isinstance(lead, WeightsPublished):
+        return PublishWeights(lead.weight_version)
+    if isinstance(lead, CheckpointMarked):
+        return MarkCheckpoint(lead.train_step)
+    return None  # RunStarted / RunRestored / RunResumed carry inputs from outside
+
+
+@dataclass
+class VerifyResult:
+    """The first decision whose re-run differs from the log, if any."""
+
+    decisions_verified: int
+    decisions_skipped: int
+    mismatch: dict[str, Any] | None
+
+
+def verify_decisions(store: EventStore, run_id: str, to_seq: int | None = None) -> VerifyResult:
+    """Re-run ``decide`` for every recorded decision and compare with the log."""
+    state = RunState()
+    verified = skipped = 0
+    for decision in split_decisions(iter_history(store, run_id, to_seq)):
+        cmd = command_for(decision, state) if state.config is not None else None
+        if cmd is None:
+            skipped += 1
+        else:
+            try:
+                expected = decide(state, cmd)
+            except DomainError as exc:
+                return VerifyResult(
+                    verified,
+                    skipped,
+                    {
+                        "offset": decision.offset,
+                        "command": type(cmd).__name__,
+                        "error": f"{type(exc).__name__}: {exc}",
+                        "recorded": [
+                            e.model_dump() | {"type": e.event_type} for e in decision.events
+                        ],
+                    },
+                )
+            recorded = decision.events
+            mismatch = _first_difference(expected, recorded)
+            if mismatch is not None:
+                index, exp, rec = mismatch
+                return VerifyResult(
+                    verified,
+                    skipped,
+                    {
+                        "offset": decision.offset + index,
+                        "decision_offset": decision.offset,
+                        "command": type(cmd).__name__,
+                        "expected": exp,
+                        "recorded": rec,
+                    },
+                )
+            verified += 1
+        for row, event in zip(decision.rows, decision.events, strict=True):
+            evolve(state, event, row.seq)
+    return VerifyResult(verified, skipped, None)
+
+
+def _first_difference(
+    expected: list[RolloutEvent], recorded: list[RolloutEvent]
+) -> tuple[int, dict[str, Any] | None, dict[str, Any] | None] | None:
+    for i in range(max(len(expected), len(recorded))):
+        exp = expected[i] if i < len(expected) else None
+        rec = recorded[i] if i < len(recorded) else None
+        e = None if exp is None else exp.model_dump() | {"type": exp.event_type}
+        r = None if rec is None else rec.model_dump() | {"type": rec.event_type}
+        if e != r:
+            return i, e, r
+    return None
+
+
+def phase_of(state: RunState, group_id: int) -> str:
+    """A group's phase, or 'gone' when it left the state."""
+    g = state.groups.get(group_id)
+    return g.phase.value if g is not None else "gone"
+
+
+__all__ = [
+    "CheckResult",
+    "Decision",
+    "Phase",
+    "VerifyResult",
+    "check_history",
+    "diff_states",
+    "explain",
+    "split_decisions",
+    "state_at",
+    "state_summary",
+    "verify_decisions",
+]
