@@ -215,9 +215,18 @@ async def run_training(
         runtime = RolloutRuntime(controller, backend, prompts, cfg.generation)
         rewards: dict[int, float] = {}
         await runtime.start()
+        telemetry = None
         try:
-            if resume and controller.state.published_version < version:
-                await runtime.publish_weights(trainer.named_weights(), version)
+            if cfg.telemetry.enabled:  # never stops the run: a failure to start is logged
+                from .metrics.live import start_embedded_telemetry
+
+                telemetry = start_embedded_telemetry(
+                    controller, runtime, port=cfg.telemetry.port, recovery=recovery
+                )
+                if telemetry is not None:
+                    emit({"event": "telemetry", "port": telemetry.port, "url": telemetry.url})
+            if resume:
+                await runtime.sync_weights(trainer.named_weights(), version)
             for step in range(first, cfg.steps):
                 batch = await runtime.next_batch(step)
                 samples = [
@@ -250,6 +259,8 @@ async def run_training(
                     msg["checkpoint"] = {"offset": offset, "path": str(path)}
                 emit(msg)
         finally:
+            if telemetry is not None:
+                telemetry.close()  # logs its own errors, never raises
             await runtime.close()
             await backend.close()
             controller.close()

@@ -299,7 +299,12 @@ class RolloutController:
         restored = ctl.execute(
             Restore(from_offset=offset, epoch=epoch, mode=mode, forced=force, salvage=salvage)
         )
-        evicted = ctl.execute(EvictStale(reason="recovered group stale after restore"))
+        # A run that had failed at the checkpoint stays failed: nothing is evicted.
+        evicted = (
+            ctl.execute(EvictStale(reason="recovered group stale after restore"))
+            if ctl.state.failure is None
+            else []
+        )
         ctl.flush()
         timings["append"] = time.perf_counter() - t3
         timings["total"] = time.perf_counter() - t0

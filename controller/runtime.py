@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -168,6 +169,9 @@ class RolloutRuntime:
         self._closing = False
         self._payload_cache: dict[str, bytes] = {}
         self._prompt_cache: dict[int, tuple[int, ...]] = {}
+        #: Seconds each checkpoint() took until its marker was durable (for metrics; one
+        #: float per checkpoint, so it stays small).
+        self.checkpoint_seconds: list[float] = []
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -463,6 +467,21 @@ class RolloutRuntime:
         await self._abort_in_backend([ev for _, ev in applied])
         self._changed.set()
 
+    async def sync_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int
+    ) -> None:
+        """Bring a fresh backend to the trainer's weights (after a restore or a takeover).
+
+        Loads ``weight_version`` into the backend if it serves another version, and
+        records the publish if the log has not recorded it yet.
+        """
+        if self.backend.weight_version != weight_version:
+            await self.backend.update_weights(named_tensors, weight_version)
+        if self.controller.state.published_version < weight_version:
+            applied = self.controller.execute(PublishWeights(weight_version))
+            await self._abort_in_backend([ev for _, ev in applied])
+        self._changed.set()
+
     async def _abort_in_backend(self, events: list[RolloutEvent]) -> None:
         groups = {ev.group_id for ev in events if isinstance(ev, SiblingAborted)}
         groups |= {
@@ -477,6 +496,8 @@ class RolloutRuntime:
     async def checkpoint(self, train_step: int) -> int:
         """Mark a checkpoint after ``train_step`` trained steps; return its durable offset."""
         self._raise_if_failed()
+        started = time.perf_counter()
         applied = self.controller.execute(MarkCheckpoint(train_step=train_step))
         await self.controller.aflush()
+        self.checkpoint_seconds.append(time.perf_counter() - started)
         return applied[-1][0]

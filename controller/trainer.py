@@ -255,9 +255,7 @@ class GRPOTrainer:
                 lp = self._token_logprobs(self.model, batch)
         finally:
             self.model.train(was_training)
-        return [
-            lp[i, : len(s.completion_token_ids)].tolist() for i, s in enumerate(samples)
-        ]
+        return [lp[i, : len(s.completion_token_ids)].tolist() for i, s in enumerate(samples)]
 
     # ------------------------------------------------------------------ training
 

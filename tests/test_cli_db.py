@@ -125,9 +125,7 @@ def test_check_older_revision_names_upgrade_and_upgrade_fixes_it(
     assert cli("db", "upgrade", db_url).exit_code == 0
     # A newer rolloutlog whose head is one revision past the shipped one.
     target = tmp_path / "migrations_next"
-    shutil.copytree(
-        migrate.migrations_dir(), target, ignore=shutil.ignore_patterns("__pycache__")
-    )
+    shutil.copytree(migrate.migrations_dir(), target, ignore=shutil.ignore_patterns("__pycache__"))
     (target / "versions" / f"{NEXT_REVISION}.py").write_text(
         f'revision = "{NEXT_REVISION}"\ndown_revision = "{shipped}"\n'
         "branch_labels = None\ndepends_on = None\n\n\n"

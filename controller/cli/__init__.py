@@ -13,6 +13,9 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("controller.cli.bench", "bench"),
     "demo": ("controller.cli.demo", "demo"),
     "run": ("controller.cli.demo", "run"),
+    "metrics": ("controller.cli.metrics", "metrics"),
+    "serve-metrics": ("controller.cli.metrics", "serve_metrics"),
+    "audit": ("controller.cli.audit", "audit"),
     "replay": ("controller.cli.replay", "replay"),
 }
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 import click
 
 
@@ -10,6 +14,94 @@ def bench() -> None:
     """Benchmarks (each prints ratios against a baseline measured in the same run)."""
 
 
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part.replace("_", "")) for part in text.split(",") if part.strip()]
+    except ValueError as exc:
+        raise click.BadParameter(f"{text!r}: expected comma-separated integers") from exc
+    if len(sizes) < 2 or min(sizes) < 0:
+        raise click.BadParameter(f"{text!r}: give at least two sizes >= 0")
+    return sizes
+
+
+@bench.command("store")
+@click.option("--events", default=200_000, show_default=True, help="Events per system.")
+@click.option("--batch", default=1_000, show_default=True, help="Events per transaction.")
+@click.option("--page-size", default=2_000, show_default=True, help="Rows per read page.")
+@click.option(
+    "--repeat", default=3, show_default=True, help="Interleaved runs per system; best counts."
+)
+@click.option(
+    "--db-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Folder for the SQLite files (default: the system temp folder).",
+)
+@click.option("--keep-files", is_flag=True, help="Keep the SQLite files after the run.")
+@click.option(
+    "--scale",
+    is_flag=True,
+    help="Instead: append rate of the last --scale-window appends into logs of --scale-sizes.",
+)
+@click.option(
+    "--scale-sizes",
+    default="100000,10000000",
+    show_default=True,
+    help="Log sizes N for --scale (comma-separated).",
+)
+@click.option("--scale-window", default=100_000, show_default=True, help="Appends measured.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def store(
+    events: int,
+    batch: int,
+    page_size: int,
+    repeat: int,
+    db_dir: Path | None,
+    keep_files: bool,
+    scale: bool,
+    scale_sizes: str,
+    scale_window: int,
+    as_json: bool,
+) -> None:
+    """Event store throughput against raw sqlite3 and the eventsourcing library.
+
+    Writes the same events through each system (SQLite, WAL, rolloutlog's synchronous
+    level, same batch size), reads them back and decodes them, and prints events/s and
+    the ratios rolloutlog / baseline. With --scale, measures instead how the append rate
+    holds up as the log grows (the 10M-event size takes minutes).
+    """
+    from controller.benchmarks import store_bench
+
+    def progress(msg: str) -> None:
+        if not as_json:
+            click.echo(msg, err=True)
+
+    try:
+        if scale:
+            result = store_bench.run_scale_benchmark(
+                sizes=_sizes(scale_sizes), window=scale_window, batch=batch, db_dir=db_dir,
+                keep_files=keep_files, progress=progress,
+            )  # fmt: skip
+        else:
+            result = store_bench.run_store_benchmark(
+                events=events, batch=batch, page_size=page_size, repeat=repeat, db_dir=db_dir,
+                keep_files=keep_files, progress=progress,
+            )  # fmt: skip
+    except (ValueError, store_bench.BenchmarkError) as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    if as_json:
+        click.echo(json.dumps(result, sort_keys=True))
+    elif scale:
+        store_bench.print_scale_report(result)
+    else:
+        store_bench.print_store_report(result)
+
+
 from .bench_durability import durability  # noqa: E402
 
 bench.add_command(durability)
+
+from .bench_domain import domain  # noqa: E402
+
+bench.add_command(domain)

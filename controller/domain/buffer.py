@@ -46,6 +46,11 @@ class VacancyPlanner:
             next_prompt=state.dataset_cursor,
         )
 
+    def leaving(self, group_ids: set[int]) -> VacancyPlanner:
+        """Mark groups this decision will remove, so none is picked as a lender."""
+        self.gone.update(group_ids)
+        return self
+
     def vacate(
         self,
         group: GroupState,
@@ -147,6 +152,7 @@ class VacancyPlanner:
         state = self.state
         if state.rules.sampler != "in_order":
             return None
+        bound = state.rules.staleness_bound
         candidates = [
             g
             for g in state.groups.values()
@@ -155,6 +161,7 @@ class VacancyPlanner:
             and g.target_step > step
             and g.group_id not in self.gone
             and g.group_id not in self.lenders_used
+            and state.staleness(g) <= bound  # a stale lender would be evicted next
         ]
         if not candidates:
             return None

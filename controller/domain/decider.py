@@ -70,7 +70,9 @@ def decide(state: RunState, command: Command) -> list[RolloutEvent]:
         raise TypeError(f"unknown command {type(command).__name__}")
     if state.config is None and not isinstance(command, StartRun):
         raise IllegalTransitionError("the run has not started")
-    if state.failure is not None and not isinstance(command, Restore | MarkCheckpoint):
+    # A failed run can still be taken over (Resume fences the old writer), checkpointed
+    # and restored; everything else is refused with the failure.
+    if state.failure is not None and not isinstance(command, Restore | Resume | MarkCheckpoint):
         raise RunFailedError(state.failure)
     return handler(state, command)
 

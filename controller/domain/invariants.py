@@ -110,11 +110,13 @@ def _conservation(state: RunState) -> list[InvariantViolation]:
                 for g in state.groups.values()
                 if g.target_step == step and g.phase in (Phase.ADMITTED, Phase.READY)
             )
-            # Equal between decisions; below while a vacancy's replacement is being applied.
-            if count > quota:
+            # Checked between decisions (inside one, a vacancy may await its replacement):
+            # a step holds exactly its quota, the rest being recorded drops.
+            if count != quota:
                 out.append(
                     ConservationError(
-                        f"step {step} should train {quota} groups but {count} are stamped for it"
+                        f"step {step} should train {quota} groups but {count} are stamped for "
+                        "it (a group left without a recorded drop or replacement)"
                     )
                 )
     return out

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from .buffer import VacancyPlanner
 from .commands import AbortSibling, CompleteSibling, DispatchSiblings, FailSibling
-from .errors import IllegalTransitionError, StaleAttemptError, UnknownGroupError
+from .errors import (
+    IllegalTransitionError,
+    SiblingAccountingError,
+    StaleAttemptError,
+    UnknownGroupError,
+    UnknownReferenceError,
+)
 from .events import (
     GroupCommitted,
     RolloutEvent,
@@ -65,6 +71,12 @@ def decide_dispatch(state: RunState, cmd: DispatchSiblings) -> list[RolloutEvent
         raise IllegalTransitionError(
             f"dispatch with weight version {cmd.weight_version}, but the trainer is at "
             f"{state.weight_version}"
+        )
+    if cmd.weight_version < state.published_version:
+        raise IllegalTransitionError(
+            f"dispatch of group {cmd.group_id} with weight version {cmd.weight_version}, older "
+            f"than the published version {state.published_version}: the generation backend "
+            "has not loaded the published weights"
         )
     events: list[RolloutEvent] = []
     for index in cmd.siblings:
@@ -184,8 +196,6 @@ def decide_abort(state: RunState, cmd: AbortSibling) -> list[RolloutEvent]:
 
 
 def _evolve_target(state: RunState, group_id: int, sibling: int, what: str) -> SiblingState:
-    from .errors import UnknownReferenceError
-
     group = state.groups.get(group_id)
     if group is None or not 0 <= sibling < len(group.siblings):
         raise UnknownReferenceError(
@@ -209,8 +219,6 @@ def evolve_dispatched(state: RunState, ev: SiblingDispatched) -> None:
 
 def evolve_completed(state: RunState, ev: SiblingCompleted) -> None:
     """The sibling is done (a salvaged completion may come from a later attempt)."""
-    from .errors import SiblingAccountingError
-
     sib = _evolve_target(state, ev.group_id, ev.sibling, "SiblingCompleted")
     if ev.salvaged_from is None:
         if ev.attempt != sib.attempt or sib.status is not SiblingStatus.IN_FLIGHT:

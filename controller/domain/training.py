@@ -41,7 +41,7 @@ def decide_select(state: RunState, cmd: SelectBatch) -> list[RolloutEvent]:
         raise IllegalTransitionError(f"the batch of step {cmd.train_step} is already selected")
     plan = plan_batch(state, cmd.train_step)
     if plan.evict:
-        planner = VacancyPlanner.for_state(state)
+        planner = VacancyPlanner.for_state(state).leaving({g.group_id for g, _ in plan.evict})
         events: list[RolloutEvent] = []
         for group, staleness in plan.evict:
             events.extend(
@@ -101,7 +101,7 @@ def decide_publish(state: RunState, cmd: PublishWeights) -> list[RolloutEvent]:
         )
     events: list[RolloutEvent] = [WeightsPublished(weight_version=cmd.weight_version)]
     stale = stale_groups(state, (Phase.ADMITTED, Phase.READY))
-    planner = VacancyPlanner.for_state(state)
+    planner = VacancyPlanner.for_state(state).leaving({g.group_id for g, _ in stale})
     for group, staleness in stale:
         events.extend(
             planner.vacate(

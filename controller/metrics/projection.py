@@ -443,7 +443,7 @@ class MetricsProjection:
         self.started_at: datetime | None = None
         self.last_meta: EventMeta | None = None
         self.staleness_bound: int | None = None
-        self.counts: dict[str, int] = dict.fromkeys(_PLAIN_COUNTERS, 0)
+        self.counts: dict[str, int] = dict.fromkeys(_PLAIN_COUNTERS.values(), 0)
         self.failed: dict[str, int] = {"true": 0, "false": 0}
         self.evicted: dict[tuple[str, str], int] = {
             (r, c): 0 for r in ("stale", "other") for c in ("true", "false")
@@ -746,9 +746,7 @@ class MetricsProjection:
             labelled("rollout_groups_evicted_total", self.evicted, base.evicted if base else None)
         )
         out.append(
-            labelled(
-                "rollout_prompts_dropped_total", self.dropped, base.dropped if base else None
-            )
+            labelled("rollout_prompts_dropped_total", self.dropped, base.dropped if base else None)
         )
         out.append(
             labelled(
@@ -796,9 +794,7 @@ class MetricsProjection:
         for fam in self.families(since):
             if fam.info.kind == "counter":
                 if fam.info.labels:
-                    counters[fam.name] = [
-                        {**s.labels, "value": s.value} for s in fam.samples
-                    ]
+                    counters[fam.name] = [{**s.labels, "value": s.value} for s in fam.samples]
                 else:
                     counters[fam.name] = fam.samples[0].value
             elif fam.info.kind == "histogram":

@@ -347,10 +347,10 @@ WHERE ev.type = 'RunResumed'
     sql["run_summary"] = """
 SELECT r.run_id, r.created_at, r.current_epoch, r.last_seq,
     (SELECT COUNT(*) FROM epochs e WHERE e.run_id = r.run_id) AS epochs,
-    COALESCE((SELECT SUM(h.last_seq - h.first_seq + 1) FROM history_spans h
-              WHERE h.run_id = r.run_id), 0) AS history_events,
-    r.last_seq - COALESCE((SELECT SUM(h.last_seq - h.first_seq + 1) FROM history_spans h
-                           WHERE h.run_id = r.run_id), 0) AS abandoned_events,
+    CAST(COALESCE((SELECT SUM(h.last_seq - h.first_seq + 1) FROM history_spans h
+                   WHERE h.run_id = r.run_id), 0) AS BIGINT) AS history_events,
+    CAST(r.last_seq - COALESCE((SELECT SUM(h.last_seq - h.first_seq + 1) FROM history_spans h
+                                WHERE h.run_id = r.run_id), 0) AS BIGINT) AS abandoned_events,
     (SELECT COUNT(*) FROM step_staleness s WHERE s.run_id = r.run_id AND s.trained)
         AS steps_trained,
     (SELECT COUNT(*) FROM prompt_outcomes p WHERE p.run_id = r.run_id) AS prompts_pulled,

@@ -156,8 +156,8 @@ def test_ready_first_never_evicts_and_may_select_stale_groups() -> None:
     )
     admit_all(run)  # groups 0..3 at steps 0..3
     finish_group(run, 0, version=0)
-    train(run)
     dispatch(run, 1, version=0)  # in flight with old weights across the next sync
+    train(run)
     finish_group(run, 3, version=1)
     complete(run, 1, 0, version=0)
     complete(run, 1, 1, version=0)

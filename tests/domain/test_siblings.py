@@ -64,8 +64,8 @@ def test_completion_commits_the_group_on_its_last_sibling() -> None:
     run = _run(group_size=2, lookahead=1)
     admit(run)  # step 1: groups 3, 4 (2 is the spare)
     finish_step(run, 0, version=0)
+    dispatch(run, 3, version=0)  # dispatched before the sync: stays in flight across it
     train(run)  # trainer and generation at version 1
-    dispatch(run, 3, version=0)
     first = complete(run, 3, 0, version=1, tokens=5)  # a result may carry newer weights
     assert kinds(first) == ["SiblingCompleted"]
     assert run.state.groups[3].phase is Phase.ADMITTED

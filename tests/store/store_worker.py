@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from eventstore import AppendConflictError, EventStore, NewEvent  # noqa: E402
+from eventstore import AppendConflictError, EventStore, NewEvent
 
 
 def crash(url: str, run_id: str, batch: int, pad: int) -> None:

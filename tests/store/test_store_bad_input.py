@@ -42,7 +42,7 @@ from eventstore import (
     ],
 )
 def test_malformed_url(url: str) -> None:
-    with pytest.raises(StoreUrlError, match="malformed database URL|names no file") as info:
+    with pytest.raises(StoreUrlError, match=r"malformed database URL|names no file") as info:
         EventStore.open(url)
     assert isinstance(info.value, ValueError)  # also a ValueError, for generic callers
 
@@ -219,7 +219,7 @@ def test_readonly_sqlite_file(tmp_path: Path) -> None:
     assert kind == "ReadOnlyStoreError" and "appending" in msg
 
 
-def test_readonly_connection_reads_but_refuses_writes(db_url: str, open_store) -> None:  # type: ignore[no-untyped-def]
+def test_readonly_connection_reads_but_refuses_writes(db_url: str, open_store) -> None:
     writer = open_store(db_url)
     writer.create_run("r1")
     writer.append("r1", make_batch(1, 4), expected_seq=1, epoch=1)
@@ -255,7 +255,7 @@ def test_readonly_connection_reads_but_refuses_writes(db_url: str, open_store) -
 # ---------------------------------------------------------------- schema version
 
 
-def test_database_at_an_unknown_newer_revision(db_url: str, open_store, raw_sql) -> None:  # type: ignore[no-untyped-def]
+def test_database_at_an_unknown_newer_revision(db_url: str, open_store, raw_sql) -> None:
     store = open_store(db_url)
     store.create_run("r1")
     store.close()
@@ -280,7 +280,7 @@ def test_database_without_the_schema(db_url: str) -> None:
         EventStore.open(db_url, create=False)
 
 
-def test_database_at_an_older_revision(db_url: str, open_store) -> None:  # type: ignore[no-untyped-def]
+def test_database_at_an_older_revision(db_url: str, open_store) -> None:
     store = open_store(db_url)
     migrate.downgrade(store.engine, "base")
     store.close()
@@ -293,7 +293,7 @@ def test_database_at_an_older_revision(db_url: str, open_store) -> None:  # type
     assert again.last_seq("r1") == 0
 
 
-def test_foreign_tables_without_alembic_stamp(db_url: str, open_store, raw_sql) -> None:  # type: ignore[no-untyped-def]
+def test_foreign_tables_without_alembic_stamp(db_url: str, open_store, raw_sql) -> None:
     store = open_store(db_url)
     store.close()
     raw_sql("DELETE FROM alembic_version")
@@ -328,7 +328,7 @@ def test_constraint_violations_are_store_errors(store: EventStore) -> None:
     assert store.load_snapshot("r1") is None
 
 
-def test_foreign_row_past_the_end_makes_append_fail_cleanly(store, raw_sql) -> None:  # type: ignore[no-untyped-def]
+def test_foreign_row_past_the_end_makes_append_fail_cleanly(store, raw_sql) -> None:
     """A row some other program wrote at last_seq + 1 (without moving last_seq) is not
     overwritten: the append fails as a StoreError and writes nothing."""
     store.create_run("r1")
@@ -341,7 +341,11 @@ def test_foreign_row_past_the_end_makes_append_fail_cleanly(store, raw_sql) -> N
     )
     with pytest.raises(StoreError, match="appending to run 'r1'"):
         store.append(
-            "r1", make_batch(3, 2), expected_seq=3, epoch=1, payload_puts=[PayloadPut("p", "k", b"")]
+            "r1",
+            make_batch(3, 2),
+            expected_seq=3,
+            epoch=1,
+            payload_puts=[PayloadPut("p", "k", b"")],
         )
     assert store.last_seq("r1") == 2
     assert [e.type for e in store.read("r1")] == ["Type1", "Type2", "Foreign"]

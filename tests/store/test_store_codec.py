@@ -97,7 +97,7 @@ def _insert_raw(
     return seq
 
 
-def _only(store: EventStore, seq: int):  # type: ignore[no-untyped-def]
+def _only(store: EventStore, seq: int):
     (row,) = list(store.read("r1", seq, seq))
     return row
 
@@ -110,9 +110,7 @@ def test_encode_decode_round_trip_through_the_store(store: EventStore) -> None:
         SiblingDone(group_id=5, prompt_index=18, target_step=2, reward=-1e-9, tokens=0),
     ]
     rows = [codec.encode(e, recorded_at=NOW, train_step=2, weight_version=7) for e in events]
-    assert rows[0] == NewEvent(
-        "SiblingDone", 3, events[0].model_dump_json(), NOW, 2, 7, 4, 17, 2
-    )
+    assert rows[0] == NewEvent("SiblingDone", 3, events[0].model_dump_json(), NOW, 2, 7, 4, 17, 2)
     assert (rows[1].group_id, rows[1].prompt_index, rows[1].target_step) == (None, None, None)
     assert StepDone(step=1, groups=()).audit_keys() == NO_AUDIT_KEYS
     store.append("r1", rows, expected_seq=1, epoch=1)
@@ -179,9 +177,11 @@ def test_missing_upcaster_is_reported(store: EventStore) -> None:
     assert info.value.offset == 1
 
 
-def test_unknown_type_names_type_version_and_offset(store, raw_sql) -> None:  # type: ignore[no-untyped-def]
+def test_unknown_type_names_type_version_and_offset(store, raw_sql) -> None:
     store.create_run("r1")
-    store.append("r1", [codec.encode(StepDone(step=1, groups=()), recorded_at=NOW)], expected_seq=1, epoch=1)
+    store.append(
+        "r1", [codec.encode(StepDone(step=1, groups=()), recorded_at=NOW)], expected_seq=1, epoch=1
+    )
     seq = _insert_raw(raw_sql, store, "r1", "FromTheFuture", 4, '{"a": 1}')
     assert seq == 2
     with pytest.raises(UnknownEventTypeError) as info:
@@ -192,7 +192,7 @@ def test_unknown_type_names_type_version_and_offset(store, raw_sql) -> None:  # 
     assert "'FromTheFuture'" in msg and "version 4" in msg and "offset 2" in msg
 
 
-def test_newer_schema_version(store, raw_sql) -> None:  # type: ignore[no-untyped-def]
+def test_newer_schema_version(store, raw_sql) -> None:
     store.create_run("r1")
     seq = _insert_raw(raw_sql, store, "r1", "StepDone", 2, '{"step": 1, "groups": []}')
     with pytest.raises(NewerSchemaVersionError) as info:
@@ -214,10 +214,15 @@ def test_newer_schema_version(store, raw_sql) -> None:  # type: ignore[no-untype
         ("StepDone", 1, "[1, 2]", "object"),
         ("SiblingDone", 1, '{"ref": "1:2", "target_step": 3, "score": 1.0', "invalid JSON"),
         ("SiblingDone", 1, "[]", "not a JSON object"),
-        ("SiblingDone", 2, '{"ref": "1:2", "target_step": "x", "reward": 1, "tokens": 1}', "target_step"),
+        (
+            "SiblingDone",
+            2,
+            '{"ref": "1:2", "target_step": "x", "reward": 1, "tokens": 1}',
+            "target_step",
+        ),
     ],
 )
-def test_corrupt_rows_name_their_offset(store, raw_sql, type_, version, payload, reason) -> None:  # type: ignore[no-untyped-def]
+def test_corrupt_rows_name_their_offset(store, raw_sql, type_, version, payload, reason) -> None:
     store.create_run("r1")
     store.append(
         "r1",
@@ -242,7 +247,7 @@ def test_decoded_events_are_frozen() -> None:
         ev.step = 2  # type: ignore[misc]
 
 
-def test_raw_rows_round_trip_their_timestamp(store, raw_sql) -> None:  # type: ignore[no-untyped-def]
+def test_raw_rows_round_trip_their_timestamp(store, raw_sql) -> None:
     store.create_run("r1")
     seq = _insert_raw(raw_sql, store, "r1", "StepDone", 1, '{"step": 3, "groups": [1]}')
     row = _only(store, seq)
@@ -258,7 +263,7 @@ def test_raw_rows_round_trip_their_timestamp(store, raw_sql) -> None:  # type: i
         (2, '{"ref": "1:2:3", "target_step": 3, "reward": 1, "tokens": 1}'),  # bad "ref"
     ],
 )
-def test_rows_an_upcaster_cannot_read_are_corrupt(store, raw_sql, version, payload) -> None:  # type: ignore[no-untyped-def]
+def test_rows_an_upcaster_cannot_read_are_corrupt(store, raw_sql, version, payload) -> None:
     store.create_run("r1")
     seq = _insert_raw(raw_sql, store, "r1", "SiblingDone", version, payload)
     with pytest.raises(CorruptEventError, match=f"upcasting from schema version {version}") as info:

@@ -11,14 +11,14 @@ from datetime import UTC, datetime
 import pytest
 from storetest_helpers import REPO_ROOT, worker_cmd
 
-from eventstore import AppendConflictError, EventStore, NewEvent
+from eventstore import AppendConflictError, NewEvent
 
 
 def _ev(seq: int, writer: int = 0) -> NewEvent:
     return NewEvent("C", 1, json.dumps({"seq": seq, "w": writer}), datetime.now(UTC), group_id=seq)
 
 
-def test_readers_during_writes_see_a_contiguous_prefix(db_url: str, open_store) -> None:  # type: ignore[no-untyped-def]
+def test_readers_during_writes_see_a_contiguous_prefix(db_url: str, open_store) -> None:
     writer_store = open_store(db_url)
     writer_store.create_run("r1")
     rng = random.Random(1234)
@@ -81,7 +81,7 @@ def test_readers_during_writes_see_a_contiguous_prefix(db_url: str, open_store) 
 @pytest.mark.parametrize("contenders", [2, 4])
 def test_writers_with_the_same_expected_seq_exactly_one_wins(
     db_url: str, open_store, contenders: int
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     setup = open_store(db_url)
     setup.create_run("r1")
     stores = [open_store(db_url) for _ in range(contenders)]
@@ -93,7 +93,7 @@ def test_writers_with_the_same_expected_seq_exactly_one_wins(
         barrier = threading.Barrier(contenders)
         results: list[object] = [None] * contenders
 
-        def contend(i: int, expected: int = expected, barrier=barrier, results=results) -> None:  # type: ignore[no-untyped-def]
+        def contend(i: int, expected: int = expected, barrier=barrier, results=results) -> None:
             events = [_ev(expected + j, writer=i) for j in range(batch)]
             barrier.wait()
             try:
@@ -123,7 +123,7 @@ def test_writers_with_the_same_expected_seq_exactly_one_wins(
 
 
 @pytest.mark.slow
-def test_processes_competing_for_one_run(db_url: str, open_store) -> None:  # type: ignore[no-untyped-def]
+def test_processes_competing_for_one_run(db_url: str, open_store) -> None:
     """Separate processes (own connections, own pools) appending with retry on conflict."""
     store = open_store(db_url)
     store.create_run("r1")

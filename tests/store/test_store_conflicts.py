@@ -141,9 +141,7 @@ def test_open_epoch_keeps_the_log(store: EventStore) -> None:
 
 
 @pytest.mark.parametrize("contenders", [2, 4])
-def test_racing_open_epoch_exactly_one_wins(
-    db_url: str, open_store, contenders: int
-) -> None:  # type: ignore[no-untyped-def]
+def test_racing_open_epoch_exactly_one_wins(db_url: str, open_store, contenders: int) -> None:
     setup = open_store(db_url)
     setup.create_run("r1")
     stores = [open_store(db_url) for _ in range(contenders)]
@@ -152,7 +150,7 @@ def test_racing_open_epoch_exactly_one_wins(
         barrier = threading.Barrier(contenders)
         results: list[object] = [None] * contenders
 
-        def contend(i: int, expected: int = expected, barrier=barrier, results=results) -> None:  # type: ignore[no-untyped-def]
+        def contend(i: int, expected: int = expected, barrier=barrier, results=results) -> None:
             barrier.wait()
             try:
                 results[i] = stores[i].open_epoch("r1", expected_epoch=expected)

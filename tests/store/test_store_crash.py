@@ -14,6 +14,7 @@ import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -25,48 +26,55 @@ BATCH = 300
 PAD = 400  # bytes of padding per event: ~120 KB per transaction
 
 
-def _kill_rounds(url: str, rounds: int, seed: int) -> list[tuple[int, int]]:
+def _run_and_kill(url: str, rng: random.Random, errlog: Path) -> list[int]:
+    """Start a crash writer, SIGKILL it after a few acknowledged batches; return the acks."""
+    with errlog.open("w") as err:
+        child = subprocess.Popen(
+            worker_cmd("crash", url, "crash", str(BATCH), str(PAD)),
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            cwd=REPO_ROOT,
+        )
+    acks: list[int] = []
+    first_ack = threading.Event()
+
+    def pump() -> None:
+        assert child.stdout is not None
+        for line in child.stdout:
+            acks.append(int(line))
+            first_ack.set()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        if not first_ack.wait(60):
+            raise AssertionError(f"the writer never acknowledged: {errlog.read_text()[-3000:]}")
+        wanted = rng.randint(1, 6)
+        deadline = time.monotonic() + 30
+        while len(acks) < wanted and time.monotonic() < deadline and child.poll() is None:
+            time.sleep(0.001)
+        time.sleep(rng.uniform(0, 0.03))  # land anywhere, mostly inside a transaction
+        assert child.poll() is None, f"the writer died: {errlog.read_text()[-3000:]}"
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(30)
+    reader.join(30)
+    assert child.returncode == -signal.SIGKILL
+    assert acks and acks == sorted(acks), acks
+    return acks
+
+
+def _kill_rounds(url: str, rounds: int, seed: int, tmp: Path) -> list[tuple[int, int]]:
     rng = random.Random(seed)
     with EventStore.open(url) as store:
         store.create_run("crash")
     history: list[tuple[int, int]] = []  # (max acknowledged seq, last_seq after reopen)
     for round_no in range(rounds):
-        child = subprocess.Popen(
-            worker_cmd("crash", url, "crash", str(BATCH), str(PAD)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=REPO_ROOT,
-        )
-        acks: list[int] = []
-        first_ack = threading.Event()
-
-        def pump(child: subprocess.Popen[str] = child, acks: list[int] = acks, ev=first_ack) -> None:  # type: ignore[no-untyped-def]
-            assert child.stdout is not None
-            for line in child.stdout:
-                acks.append(int(line))
-                ev.set()
-
-        reader = threading.Thread(target=pump, daemon=True)
-        reader.start()
-        try:
-            assert first_ack.wait(60), f"child never acknowledged: {child.stderr.read()[-3000:]}"  # type: ignore[union-attr]
-            wanted = rng.randint(1, 6)
-            deadline = time.monotonic() + 30
-            while len(acks) < wanted and time.monotonic() < deadline and child.poll() is None:
-                time.sleep(0.001)
-            time.sleep(rng.uniform(0, 0.03))  # land anywhere inside the next transaction
-            assert child.poll() is None, child.stderr.read()[-3000:]  # type: ignore[union-attr]
-            os.kill(child.pid, signal.SIGKILL)
-            child.wait(30)
-        finally:
-            if child.poll() is None:
-                child.kill()
-                child.wait(30)
-        reader.join(30)
-        assert child.returncode == -signal.SIGKILL
-        assert acks == sorted(acks) and acks, acks
-
+        acks = _run_and_kill(url, rng, tmp / f"writer-{round_no}.err")
         with EventStore.open(url) as store:
             last = store.last_seq("crash")
             engine = sa.create_engine(url)
@@ -92,14 +100,14 @@ def _kill_rounds(url: str, rounds: int, seed: int) -> list[tuple[int, int]]:
 
 
 @pytest.mark.slow
-def test_sigkill_never_tears_a_batch_sqlite(sqlite_url: str) -> None:
-    history = _kill_rounds(sqlite_url, rounds=10, seed=20261130)
+def test_sigkill_never_tears_a_batch_sqlite(sqlite_url: str, tmp_path: Path) -> None:
+    history = _kill_rounds(sqlite_url, rounds=10, seed=20261130, tmp=tmp_path)
     assert len(history) == 10
     assert history[-1][1] >= 10 * BATCH  # every round acknowledged at least one batch
 
 
 @pytest.mark.slow
 @pytest.mark.postgres
-def test_sigkill_never_tears_a_batch_postgres(pg_url: str) -> None:
-    history = _kill_rounds(pg_url, rounds=3, seed=7)
+def test_sigkill_never_tears_a_batch_postgres(pg_url: str, tmp_path: Path) -> None:
+    history = _kill_rounds(pg_url, rounds=3, seed=7, tmp=tmp_path)
     assert history[-1][1] >= 3 * BATCH

@@ -20,7 +20,7 @@ from eventstore import (
 
 
 @pytest.fixture
-def committers():  # type: ignore[no-untyped-def]
+def committers():
     """Factory of committers, each closed (without flushing) at teardown."""
     made: list[GroupCommitter] = []
 
@@ -36,7 +36,7 @@ def committers():  # type: ignore[no-untyped-def]
         gc.close(flush=False)
 
 
-def test_submit_returns_sequences_before_durability(db_url, open_store, committers) -> None:  # type: ignore[no-untyped-def]
+def test_submit_returns_sequences_before_durability(db_url, open_store, committers) -> None:
     store = open_store(db_url)
     store.create_run("r1")
     other = open_store(db_url)
@@ -57,7 +57,7 @@ def test_submit_returns_sequences_before_durability(db_url, open_store, committe
     assert len(gc.commit_seconds) == 1  # one window, one transaction
 
 
-def test_flush_returns_only_once_durable(db_url, open_store, committers) -> None:  # type: ignore[no-untyped-def]
+def test_flush_returns_only_once_durable(db_url, open_store, committers) -> None:
     store = open_store(db_url)
     store.create_run("r1")
     store.append("r1", make_batch(1, 2), expected_seq=1, epoch=1)
@@ -77,7 +77,7 @@ def test_flush_returns_only_once_durable(db_url, open_store, committers) -> None
     assert gc.flush() == nxt - 1  # nothing new: returns at once
 
 
-def test_close_flushes_and_refuses_more(db_url, open_store, committers) -> None:  # type: ignore[no-untyped-def]
+def test_close_flushes_and_refuses_more(db_url, open_store, committers) -> None:
     store = open_store(db_url)
     store.create_run("r1")
     gc = committers(store, window_s=0.3)
@@ -89,7 +89,7 @@ def test_close_flushes_and_refuses_more(db_url, open_store, committers) -> None:
     assert store.last_seq("r1") == 5
 
 
-def test_aflush_from_asyncio(db_url, open_store, committers) -> None:  # type: ignore[no-untyped-def]
+def test_aflush_from_asyncio(db_url, open_store, committers) -> None:
     store = open_store(db_url)
     store.create_run("r1")
     other = open_store(db_url)
@@ -119,7 +119,7 @@ def test_aflush_from_asyncio(db_url, open_store, committers) -> None:  # type: i
     assert other.last_seq("r1") == 6
 
 
-def test_many_submits_share_few_transactions(db_url, open_store, committers) -> None:  # type: ignore[no-untyped-def]
+def test_many_submits_share_few_transactions(db_url, open_store, committers) -> None:
     store = open_store(db_url)
     store.create_run("r1")
     gc = committers(store, window_s=0.02)
@@ -135,7 +135,7 @@ def test_many_submits_share_few_transactions(db_url, open_store, committers) -> 
     assert [e.payload for e in got] == [make_event(i).payload for i in range(1, n + 1)]
 
 
-def test_max_batch_splits_transactions(db_url, open_store, committers) -> None:  # type: ignore[no-untyped-def]
+def test_max_batch_splits_transactions(db_url, open_store, committers) -> None:
     store = open_store(db_url)
     store.create_run("r1")
     gc = committers(store, max_batch=10, window_s=0.01)
@@ -145,7 +145,7 @@ def test_max_batch_splits_transactions(db_url, open_store, committers) -> None: 
     assert [e.seq for e in store.read("r1")] == list(range(1, 26))
 
 
-def test_submitted_payloads_are_durable_with_their_events(db_url, open_store, committers) -> None:  # type: ignore[no-untyped-def]
+def test_submitted_payloads_are_durable_with_their_events(db_url, open_store, committers) -> None:
     store = open_store(db_url)
     store.create_run("r1")
     gc = committers(store, window_s=0.01)
@@ -161,7 +161,7 @@ def test_submitted_payloads_are_durable_with_their_events(db_url, open_store, co
         other.get_payload("r1", "orphan")
 
 
-def test_fenced_writer_fails_flush_and_later_submits(db_url, open_store, committers) -> None:  # type: ignore[no-untyped-def]
+def test_fenced_writer_fails_flush_and_later_submits(db_url, open_store, committers) -> None:
     store = open_store(db_url)
     store.create_run("r1")
     gc = committers(store, window_s=0.01)
@@ -192,7 +192,7 @@ def test_fenced_writer_fails_flush_and_later_submits(db_url, open_store, committ
         rival.get_payload("r1", "lost")
 
 
-def test_conflicting_writer_fails_the_committer(db_url, open_store, committers) -> None:  # type: ignore[no-untyped-def]
+def test_conflicting_writer_fails_the_committer(db_url, open_store, committers) -> None:
     store = open_store(db_url)
     store.create_run("r1")
     gc = committers(store, window_s=0.3)
@@ -205,7 +205,7 @@ def test_conflicting_writer_fails_the_committer(db_url, open_store, committers) 
     assert [e.payload for e in store.read("r1")] == [make_event(100).payload]
 
 
-def test_aflush_waiting_when_the_writer_fails(db_url, open_store, committers) -> None:  # type: ignore[no-untyped-def]
+def test_aflush_waiting_when_the_writer_fails(db_url, open_store, committers) -> None:
     store = open_store(db_url)
     store.create_run("r1")
     gc = committers(store, window_s=0.3)
@@ -224,7 +224,7 @@ def test_aflush_waiting_when_the_writer_fails(db_url, open_store, committers) ->
     assert store.last_seq("r1") == 0
 
 
-def test_flush_timeout(db_url, open_store, committers) -> None:  # type: ignore[no-untyped-def]
+def test_flush_timeout(db_url, open_store, committers) -> None:
     store = open_store(db_url)
     store.create_run("r1")
     gc = committers(store, window_s=1.0)
@@ -234,7 +234,7 @@ def test_flush_timeout(db_url, open_store, committers) -> None:  # type: ignore[
     assert gc.flush(timeout=30) == 1
 
 
-def test_constructor_validation(db_url, open_store) -> None:  # type: ignore[no-untyped-def]
+def test_constructor_validation(db_url, open_store) -> None:
     store = open_store(db_url)
     store.create_run("r1")
     with pytest.raises(ValueError, match="max_batch"):

@@ -83,7 +83,10 @@ def test_payload_puts_commit_with_their_batch(store: EventStore) -> None:
     assert store.get_payload("r1", "a") == data
     assert store.get_payload("r1", "b") == b"\x00" * 10
     # Payload-only put through append (fenced, but no events).
-    assert store.append("r1", [], expected_seq=3, epoch=1, payload_puts=[PayloadPut("c", "k", b"c")]) == 2
+    assert (
+        store.append("r1", [], expected_seq=3, epoch=1, payload_puts=[PayloadPut("c", "k", b"c")])
+        == 2
+    )
     assert store.get_payload("r1", "c") == b"c"
     assert store.last_seq("r1") == 2
 
@@ -171,7 +174,9 @@ def test_encoded_arrays_survive_the_store(store: EventStore) -> None:
     floats=st.lists(st.floats(width=64, allow_nan=False), max_size=30),
     floats32=st.lists(st.floats(width=32, allow_nan=False), max_size=30),
 )
-def test_array_round_trip_property(ints: list[int], floats: list[float], floats32: list[float]) -> None:
+def test_array_round_trip_property(
+    ints: list[int], floats: list[float], floats32: list[float]
+) -> None:
     out = decode_arrays(
         encode_arrays(
             {
@@ -216,6 +221,12 @@ def test_encode_refuses_unsupported_arrays(bad: np.ndarray) -> None:
         encode_arrays({"x": bad})
 
 
+def _one_array(name: bytes, code: bytes, count: int) -> bytes:
+    """A hand-made blob holding one array header (and no elements)."""
+    header = struct.pack("<I", 1) + struct.pack("<H", len(name)) + name + code
+    return b"RLA1" + header + struct.pack("<Q", count)
+
+
 def _valid_blob() -> bytes:
     return encode_arrays({"tokens": [1, 2, 3, 4], "logprobs": [-0.1, -0.2, -0.3, -0.4]})
 
@@ -234,10 +245,10 @@ def test_every_truncation_is_corrupt() -> None:
         (b"\x80\x04\x95pickle!", "magic"),
         (b"RLA2" + b"\x00" * 4, "magic"),
         (_valid_blob() + b"\x00", "trailing"),
-        (b"RLA1" + struct.pack("<I", 1) + struct.pack("<H", 1) + b"x" + b"Z" + b"\x00" * 8, "dtype"),
-        (b"RLA1" + struct.pack("<I", 1) + struct.pack("<H", 1) + b"x" + b"i" + struct.pack("<Q", 2**60), "truncated"),
-        (b"RLA1" + struct.pack("<I", 1) + struct.pack("<H", 2) + b"\xff\xfe" + b"i" + struct.pack("<Q", 0), "malformed"),
-        (b"RLA1" + struct.pack("<I", 5), "truncated"),
+        (_one_array(b"x", b"Z", 0), "dtype"),  # unknown dtype code
+        (_one_array(b"x", b"i", 2**60), "truncated"),  # claims more elements than there are
+        (_one_array(b"\xff\xfe", b"i", 0), "malformed"),  # name is not UTF-8
+        (b"RLA1" + struct.pack("<I", 5), "truncated"),  # five arrays announced, none there
     ],
 )
 def test_corrupt_blobs(blob: bytes, message: str) -> None:

@@ -52,7 +52,7 @@ EVENT = st.builds(
 )
 
 
-def _as_new(e) -> NewEvent:  # type: ignore[no-untyped-def]
+def _as_new(e) -> NewEvent:
     return NewEvent(
         e.type,
         e.schema_version,

@@ -92,7 +92,10 @@ def test_read_ranges(store: EventStore) -> None:
     assert seqs(21) == []
     assert seqs(9, 5) == []
     assert seqs(1, None) == list(range(1, 21))
-    assert [e.payload for e in store.read("r1", 3, 4)] == [make_event(3).payload, make_event(4).payload]
+    assert [e.payload for e in store.read("r1", 3, 4)] == [
+        make_event(3).payload,
+        make_event(4).payload,
+    ]
 
 
 @pytest.mark.parametrize("page_size", [1, 2, 3, 7, 10, 11])
@@ -136,7 +139,7 @@ def test_read_where_by_each_audit_key(store: EventStore) -> None:
     store.create_run("other")
     store.append("other", make_batch(1, 40), expected_seq=1, epoch=1)
 
-    def expect(pred) -> list[int]:  # type: ignore[no-untyped-def]
+    def expect(pred) -> list[int]:
         return [seq for seq, ev in enumerate(batch, start=1) if pred(ev)]
 
     for key in ("group_id", "prompt_index", "train_step", "target_step"):
@@ -215,7 +218,7 @@ def test_empty_append_writes_nothing(store: EventStore) -> None:
     assert list(store.read("r1")) == []
 
 
-def test_reopen_sees_the_same_log(db_url: str, open_store) -> None:  # type: ignore[no-untyped-def]
+def test_reopen_sees_the_same_log(db_url: str, open_store) -> None:
     first = open_store(db_url)
     first.create_run("r1")
     first.append("r1", make_batch(1, 5), expected_seq=1, epoch=1)

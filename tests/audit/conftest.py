@@ -1,0 +1,93 @@
+"""Fixtures of the SQL audit suite.
+
+``audit_run`` builds the scripted run of ``audit_helpers.build_audit_run`` once per test
+module and dialect (a SQLite file; a PostgreSQL database of its own, so the per-test
+``pg_url`` resets of other suites never touch it). Tests that write take the
+function-scoped ``db_url`` from ``tests/conftest.py`` instead.
+"""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from controller.audit import PromptLedger, build_ledger
+from controller.rollout import replay
+from controller.sql_audit import SqlAudit
+from controller.domain.state import RunState
+from eventstore import EventStore, StoredEvent
+
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+
+from audit_helpers import AuditRun, build_audit_run  # noqa: E402
+
+
+@dataclass
+class BuiltRun:
+    """A scripted run in a database, with everything the Python side knows about it."""
+
+    url: str
+    dialect: str
+    run: AuditRun
+    ledger: PromptLedger
+    state: RunState
+    history: list[StoredEvent]
+    all_rows: list[StoredEvent]
+    segments: list[tuple[int, int]]
+    audit: SqlAudit
+
+
+@pytest.fixture(
+    scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+def audit_url(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """A fresh database for this module: a SQLite file, or a PostgreSQL database."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path_factory.mktemp('audit') / 'log.db'}"
+        return
+    server = request.getfixturevalue("pg_server_url")
+    name = f"rolloutlog_audit_{uuid.uuid4().hex[:10]}"
+    admin = sa.create_engine(server, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    try:
+        yield sa.engine.make_url(server).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
+
+
+@pytest.fixture(scope="module")
+def audit_run(audit_url: str) -> Iterator[BuiltRun]:
+    """The scripted run, its ledger, replayed state, history rows and a read-only audit."""
+    store = EventStore.open(audit_url)
+    try:
+        run = build_audit_run(store)
+        built = BuiltRun(
+            url=audit_url,
+            dialect=store.dialect,
+            run=run,
+            ledger=build_ledger(store, run.run_id),
+            state=replay(store, run.run_id, use_snapshots=False).state,
+            history=list(store.read_history(run.run_id)),
+            all_rows=list(store.read(run.run_id)),
+            segments=store.history_segments(run.run_id),
+            audit=SqlAudit(audit_url),
+        )
+    finally:
+        store.close()
+    try:
+        yield built
+    finally:
+        built.audit.close()

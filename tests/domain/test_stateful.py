@@ -1,0 +1,371 @@
+"""Random command sequences against a RolloutController on a real SQLite log.
+
+Under random rules (all samplers, drop policies and granularities, small groups) the
+machine admits, dispatches, completes, fails, aborts, selects, trains, publishes,
+checkpoints, restores to a random earlier checkpoint (salvage or strict) and reopens.
+After every step:
+
+- ``check_invariants`` holds on the live state;
+- the state rebuilt from the log, with and without snapshots, equals the live state;
+- an independent fold of the history (:class:`PromptLedger`) finds every pulled prompt
+  exactly once live, trained, evicted or dropped: no prompt lost or trained twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from pathlib import Path
+
+from domain_helpers import PromptLedger, store_config
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from controller.config import RolloutConfig
+from controller.domain import (
+    AbortSibling,
+    AdmitStep,
+    CompleteSibling,
+    DispatchSiblings,
+    EvictStale,
+    FailSibling,
+    Phase,
+    PublishWeights,
+    RecordTrainStep,
+    SelectBatch,
+    SiblingStatus,
+    check_invariants,
+)
+from controller.domain.errors import (
+    BatchNotReadyError,
+    DatasetExhaustedError,
+    LookaheadExceededError,
+    RunFailedError,
+    StaleAttemptError,
+)
+from controller.rollout import RolloutController, replay
+from eventstore import EventStore
+
+RUN = "stateful"
+SNAPSHOT_INTERVAL = 25
+
+configs = st.builds(
+    RolloutConfig,
+    group_size=st.integers(1, 3),
+    groups_per_step=st.integers(1, 3),
+    sampler=st.sampled_from(["in_order", "windowed", "weight_fifo", "ready_first"]),
+    staleness_bound=st.integers(0, 3),
+    lookahead=st.integers(0, 3),
+    spare_pool_size=st.integers(0, 2),
+    drop_policy=st.sampled_from(["replace", "shrink", "fail"]),
+    min_step_fraction=st.sampled_from([0.34, 0.5, 1.0]),
+    attempts_per_sibling=st.integers(1, 3),
+    recovery_granularity=st.sampled_from(["sibling", "group"]),
+    abort_stale_at_weight_sync=st.booleans(),
+)
+
+
+class RolloutMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tmp = Path(tempfile.mkdtemp(prefix="rolloutlog-stateful-"))
+        self.store = EventStore.open(f"sqlite:///{self.tmp / 'log.db'}?synchronous=OFF")
+        self.ctl: RolloutController | None = None
+        self.config: RolloutConfig | None = None
+        self.checkpoints: list[tuple[int, int]] = []  # (offset, train step)
+        self.results = 0
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def c(self) -> RolloutController:
+        assert self.ctl is not None
+        return self.ctl
+
+    def _in_flight(self) -> list[tuple[int, int]]:
+        return [
+            (g.group_id, i)
+            for g in sorted(self.c.state.groups.values(), key=lambda g: g.group_id)
+            if g.phase is Phase.ADMITTED
+            for i, s in enumerate(g.siblings)
+            if s.status is SiblingStatus.IN_FLIGHT
+        ]
+
+    def _dispatchable(self) -> list[int]:
+        return [
+            g.group_id
+            for g in sorted(self.c.state.groups.values(), key=lambda g: g.group_id)
+            if g.phase is Phase.ADMITTED
+            and any(s.status is SiblingStatus.PENDING for s in g.siblings)
+        ]
+
+    def _failed(self) -> bool:
+        return self.c.state.failure is not None
+
+    # ------------------------------------------------------------------ rules
+    @initialize(config=configs, dataset_size=st.integers(4, 24))
+    def start(self, config: RolloutConfig, dataset_size: int) -> None:
+        self.config = config
+        self.ctl = RolloutController.start(
+            self.store,
+            RUN,
+            config,
+            dataset_fingerprint="toy",
+            dataset_size=dataset_size,
+            store_config=store_config(snapshot_interval=SNAPSHOT_INTERVAL),
+        )
+
+    @rule(steps=st.integers(1, 3))
+    def admit(self, steps: int) -> None:
+        for _ in range(steps):
+            try:
+                self.c.execute(AdmitStep())
+            except (LookaheadExceededError, DatasetExhaustedError, RunFailedError):
+                return
+
+    @precondition(lambda self: not self._failed())
+    @rule(data=st.data())
+    def dispatch(self, data: st.DataObject) -> None:
+        groups = self._dispatchable()
+        if not groups:
+            return
+        gid = data.draw(st.sampled_from(groups), label="group")
+        g = self.c.state.groups[gid]
+        pending = [i for i, s in enumerate(g.siblings) if s.status is SiblingStatus.PENDING]
+        chosen = data.draw(
+            st.lists(st.sampled_from(pending), min_size=1, unique=True), label="siblings"
+        )
+        s = self.c.state
+        # Generation serves the published weights, or newer ones it has loaded.
+        version = data.draw(
+            st.one_of(
+                st.just(s.published_version),
+                st.integers(s.published_version, s.weight_version),
+            ),
+            label="version",
+        )
+        self.c.execute(DispatchSiblings(gid, tuple(chosen), version))
+
+    @precondition(lambda self: not self._failed())
+    @rule(data=st.data())
+    def complete(self, data: st.DataObject) -> None:
+        targets = self._in_flight()
+        if not targets:
+            return
+        gid, i = data.draw(st.sampled_from(targets), label="sibling")
+        sib = self.c.state.groups[gid].siblings[i]
+        assert sib.weight_version is not None
+        version = data.draw(st.integers(sib.weight_version, self.c.state.weight_version))
+        self.results += 1
+        self.c.execute(
+            CompleteSibling(
+                gid, i, sib.attempt, version, 3, 1 + i, 0.25 * i, f"r{self.results}", "stop"
+            )
+        )
+
+    @precondition(lambda self: not self._failed())
+    @rule(data=st.data())
+    def generate(self, data: st.DataObject) -> None:
+        """A burst of generation: dispatch every pending sibling with the published
+        weights, then give each in-flight sibling a random outcome (mostly success)."""
+        for gid in self._dispatchable():
+            g = self.c.state.groups[gid]
+            pending = tuple(
+                i for i, s in enumerate(g.siblings) if s.status is SiblingStatus.PENDING
+            )
+            self.c.execute(DispatchSiblings(gid, pending, self.c.state.published_version))
+        outcomes = st.sampled_from(["complete"] * 6 + ["retry", "drop", "abort", "leave"])
+        for gid, i in self._in_flight():
+            if self._failed() or gid not in self.c.state.groups:
+                return  # the run failed, or a drop removed the group
+            sib = self.c.state.groups[gid].siblings[i]
+            if sib.status is not SiblingStatus.IN_FLIGHT:
+                continue
+            outcome = data.draw(outcomes, label=f"outcome of {gid}/{i}")
+            if outcome == "complete":
+                self.results += 1
+                self.c.execute(
+                    CompleteSibling(
+                        gid,
+                        i,
+                        sib.attempt,
+                        sib.weight_version or 0,
+                        3,
+                        2,
+                        1.0,
+                        f"r{self.results}",
+                        "stop",
+                    )  # fmt: skip
+                )
+            elif outcome in ("retry", "drop"):
+                self.c.execute(FailSibling(gid, i, sib.attempt, outcome == "retry", "flaky"))
+            elif outcome == "abort":
+                self.c.execute(AbortSibling(gid, i, sib.attempt, "preempted"))
+
+    @rule()
+    def train_cycle(self) -> None:
+        """Select (after any evictions), train and publish, as a training loop does."""
+        s = self.c.state
+        try:
+            if s.train_step not in s.batches:
+                self.c.execute(SelectBatch(s.train_step))
+                if s.train_step not in s.batches:
+                    self.c.execute(SelectBatch(s.train_step))  # evictions came first
+            self.c.execute(RecordTrainStep(s.train_step, s.weight_version + 1))
+            self.c.execute(PublishWeights(s.weight_version))
+        except (BatchNotReadyError, RunFailedError):
+            pass
+
+    @precondition(lambda self: not self._failed())
+    @rule(data=st.data())
+    def result_of_a_superseded_attempt(self, data: st.DataObject) -> None:
+        targets = [
+            (g.group_id, i)
+            for g in self.c.state.groups.values()
+            for i, s in enumerate(g.siblings)
+            if s.attempt >= 2
+        ]
+        if not targets:
+            return
+        gid, i = data.draw(st.sampled_from(sorted(targets)), label="sibling")
+        sib = self.c.state.groups[gid].siblings[i]
+        before = self.c.state.last_seq
+        try:
+            self.c.execute(CompleteSibling(gid, i, sib.attempt - 1, 0, 3, 4, 0.0, "late", "stop"))
+        except StaleAttemptError:
+            pass
+        else:
+            raise AssertionError(f"a superseded attempt of group {gid} sibling {i} was accepted")
+        assert self.c.state.last_seq == before
+
+    @precondition(lambda self: not self._failed())
+    @rule(data=st.data(), retryable=st.booleans())
+    def fail(self, data: st.DataObject, retryable: bool) -> None:
+        targets = self._in_flight()
+        if not targets:
+            return
+        gid, i = data.draw(st.sampled_from(targets), label="sibling")
+        attempt = self.c.state.groups[gid].siblings[i].attempt
+        self.c.execute(FailSibling(gid, i, attempt, retryable, "random failure"))
+
+    @precondition(lambda self: not self._failed())
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        targets = self._in_flight()
+        if not targets:
+            return
+        gid, i = data.draw(st.sampled_from(targets), label="sibling")
+        attempt = self.c.state.groups[gid].siblings[i].attempt
+        self.c.execute(AbortSibling(gid, i, attempt, "random abort"))
+
+    @precondition(lambda self: self.c.state.train_step not in self.c.state.batches)
+    @rule()
+    def select(self) -> None:
+        with contextlib.suppress(BatchNotReadyError, RunFailedError):
+            self.c.execute(SelectBatch(self.c.state.train_step))
+
+    @precondition(lambda self: self.c.state.train_step in self.c.state.batches)
+    @rule()
+    def train(self) -> None:
+        s = self.c.state
+        with contextlib.suppress(RunFailedError):
+            self.c.execute(RecordTrainStep(s.train_step, s.weight_version + 1))
+
+    @precondition(lambda self: not self._failed())
+    @rule(data=st.data())
+    def publish(self, data: st.DataObject) -> None:
+        s = self.c.state
+        version = data.draw(st.integers(s.published_version, s.weight_version), label="version")
+        self.c.execute(PublishWeights(version))
+
+    @precondition(lambda self: not self._failed())
+    @rule()
+    def evict_stale(self) -> None:
+        self.c.execute(EvictStale(reason="operator request"))
+
+    @rule()
+    def checkpoint(self) -> None:
+        step = self.c.state.train_step
+        offset = self.c.checkpoint(step)
+        self.checkpoints.append((offset, step))
+
+    @precondition(lambda self: bool(self.checkpoints))
+    @rule(data=st.data(), mode=st.sampled_from(["salvage", "strict"]))
+    def restore(self, data: st.DataObject, mode: str) -> None:
+        offset, step = data.draw(st.sampled_from(self.checkpoints), label="checkpoint")
+        self.c.close()
+        self.ctl = None
+        ctl, report = RolloutController.restore(
+            self.store,
+            RUN,
+            offset,
+            rollout=self.config,
+            mode=mode,  # type: ignore[arg-type]
+            store_config=store_config(snapshot_interval=SNAPSHOT_INTERVAL),
+        )
+        self.ctl = ctl
+        assert report.from_offset == offset
+        assert ctl.state.train_step == step
+        assert ctl.state.epoch == report.epoch == self.store.get_run(RUN).current_epoch
+        if mode == "strict" or report.granularity == "group":
+            assert report.siblings_salvaged == 0
+        # Stale recovered groups are evicted as recovered (never counted as trained).
+        assert report.groups_evicted_stale <= ctl.state.counters.groups_evicted_recovered
+
+    @rule()
+    def reopen(self) -> None:
+        self.c.close()
+        self.ctl = None
+        self.ctl = RolloutController.open(
+            self.store, RUN, store_config=store_config(snapshot_interval=SNAPSHOT_INTERVAL)
+        )
+        assert not self._in_flight()  # the old epoch's attempts are re-dispatched
+
+    # ------------------------------------------------------------------ invariants
+    @invariant()
+    def invariants_hold(self) -> None:
+        if self.ctl is None:
+            return
+        check_invariants(self.ctl.state)
+
+    @invariant()
+    def log_replays_to_the_live_state(self) -> None:
+        if self.ctl is None:
+            return
+        self.ctl.flush()
+        live = self.ctl.state.to_snapshot()
+        full = replay(self.store, RUN, use_snapshots=False)
+        assert full.state.to_snapshot() == live
+        fast = replay(self.store, RUN, use_snapshots=True)
+        assert fast.state.to_snapshot() == live
+
+    @invariant()
+    def no_prompt_lost_or_trained_twice(self) -> None:
+        if self.ctl is None:
+            return
+        self.ctl.flush()
+        PromptLedger.from_history(self.store, RUN).check_against(self.ctl.state)
+
+    def teardown(self) -> None:
+        try:
+            if self.ctl is not None:
+                self.ctl.close()
+        finally:
+            self.store.close()
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+RolloutMachine.TestCase.settings = settings(
+    max_examples=40,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+test_rollout_state_machine = RolloutMachine.TestCase

@@ -1,0 +1,156 @@
+"""Shared drivers for the reliability tests: a scripted run with failures, borrows and
+evictions, copying a log prefix (a crash at offset k), and the exactly-once check."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from controller.audit import build_ledger, cross_check
+from controller.backends.base import BackendError
+from controller.backends.testing import DeterministicBackend
+from controller.config import RolloutConfig, StoreConfig
+from controller.domain.invariants import find_violations
+from controller.rollout import RolloutController, replay
+from controller.runtime import GenerationConfig, RolloutRuntime
+from eventstore import MemoryEventStore, NewEvent
+
+DATASET = 120
+FINGERPRINT = "reliability-v1"
+WEIGHTS = [("w", torch.zeros(1))]
+
+
+class Prompts:
+    """A synthetic dataset with a cheap deterministic reward."""
+
+    fingerprint = FINGERPRINT
+    num_prompts = DATASET
+
+    def prompt_token_ids(self, index: int) -> list[int]:
+        return [1 + index % 11, 2, 3]
+
+    def reward(self, index: int, completion_token_ids: Sequence[int]) -> float:
+        return float(completion_token_ids[-1] % 3 == 0)
+
+
+def rollout_config(sampler: str = "in_order") -> RolloutConfig:
+    """Small groups, a lookahead of 2 and a tight staleness bound: borrows and evictions."""
+    return RolloutConfig(
+        group_size=2,
+        groups_per_step=3,
+        sampler=sampler,  # type: ignore[arg-type]
+        lookahead=2,
+        staleness_bound=1,
+        spare_pool_size=2,
+        drop_policy="replace",
+        attempts_per_sibling=2,
+    )
+
+
+def failures(request: Any, spec: Any) -> BackendError | bool:
+    """Some groups fail for good (their prompts are dropped), some fail once and retry."""
+    if request.group_id % 7 == 3:
+        return BackendError(f"scripted fatal failure of group {request.group_id}", retryable=False)
+    return request.group_id % 5 == 1 and spec.attempt == 1
+
+
+def backend(version: int = 0) -> DeterministicBackend:
+    """The test backend with the scripted failures and a little latency."""
+    return DeterministicBackend(
+        vocab_size=32, latency=0.0005, fail=failures, weight_version=version
+    )
+
+
+async def drive(ctl: RolloutController, steps: int, *, checkpoint_every: int = 1) -> None:
+    """Train up to ``steps`` steps (or until the dataset runs out) with checkpoints."""
+    # A fresh backend (as after a crash) serves the initial weights until synced.
+    runtime = RolloutRuntime(ctl, backend(), Prompts(), GenerationConfig(max_tokens=4))
+    await runtime.start()
+    try:
+        await runtime.sync_weights(WEIGHTS, ctl.state.weight_version)
+        while ctl.state.train_step < steps:
+            step = ctl.state.train_step
+            await runtime.next_batch(step, timeout=30)
+            await runtime.report_trained(step, step + 1)
+            await runtime.publish_weights(WEIGHTS, step + 1)
+            if (step + 1) % checkpoint_every == 0:
+                await runtime.checkpoint(step + 1)
+    finally:
+        await runtime.close()
+
+
+def start(store: Any, run_id: str = "r", sampler: str = "in_order") -> RolloutController:
+    """A new run with a checkpoint at train step 0, so every crash has one to return to."""
+    ctl = RolloutController.start(
+        store,
+        run_id,
+        rollout_config(sampler),
+        dataset_fingerprint=FINGERPRINT,
+        dataset_size=DATASET,
+        store_config=StoreConfig(snapshot_interval=25, group_commit_window_ms=1),
+    )
+    ctl.checkpoint(0)
+    return ctl
+
+
+def copy_prefix(source: Any, run_id: str, k: int) -> MemoryEventStore:
+    """A new store holding the first ``k`` events of ``run_id``: the log a crash at k left."""
+    info = source.get_run(run_id)
+    target = MemoryEventStore()
+    target.create_run(
+        run_id, config_fingerprint=info.config_fingerprint, config_json=info.config_json
+    )
+    rows = [
+        NewEvent(
+            r.type, r.schema_version, r.payload, r.recorded_at, r.train_step, r.weight_version,
+            r.group_id, r.prompt_index, r.target_step,
+        )  # fmt: skip
+        for r in source.read(run_id, 1, k)
+    ]
+    target.append(run_id, rows, expected_seq=1, epoch=1)
+    # Payloads referenced by completions are needed to assemble batches after restore.
+    for r in source.read(run_id, 1, k):
+        if r.type == "SiblingCompleted":
+            import json
+
+            pid = json.loads(r.payload)["payload_id"]
+            target.put_payload(run_id, pid, "sibling", source.get_payload(run_id, pid))
+    return target
+
+
+def newest_checkpoint(store: Any, run_id: str, k: int) -> int:
+    """Offset of the newest CheckpointMarked at or before ``k``."""
+    best = 0
+    for r in store.read(run_id, 1, k):
+        if r.type == "CheckpointMarked":
+            best = r.seq
+    if best == 0:
+        raise AssertionError(f"no checkpoint at or before offset {k}")
+    return best
+
+
+def exactly_once(store: Any, run_id: str) -> dict[str, Any]:
+    """The ledger check: nothing lost, nothing trained twice, invariants hold."""
+    state = replay(store, run_id).state
+    ledger = build_ledger(store, run_id)
+    check = cross_check(ledger, state)
+    return {
+        "lost": check.lost,
+        "trained_twice": check.trained_twice,
+        "violations": [str(v) for v in find_violations(state)],
+        "trained": check.prompts_trained,
+        "dropped": check.prompts_dropped,
+        "evicted": check.prompts_evicted,
+        "live": check.prompts_live,
+        "pulled": check.prompts_pulled,
+        "dropped_reasons": dict(ledger.dropped),
+        "evicted_reasons": dict(ledger.evicted),
+    }
+
+
+def run(coro: Any) -> Any:
+    """asyncio.run, for sync tests."""
+    return asyncio.run(coro)

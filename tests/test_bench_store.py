@@ -1,0 +1,185 @@
+"""``rolloutlog bench store`` at a tiny size: the shape of its results, not its speed.
+
+Speed targets are measured by the benchmark itself (docs/benchmarks.md), never asserted
+in tests.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from controller.benchmarks import store_bench
+from controller.cli import main
+from eventstore import EventStore
+
+EVENTS = 2000
+SYSTEMS = {
+    "raw_sqlite3",
+    "eventsourcing_aggregate_recorder",
+    "eventsourcing_application_recorder",
+    "rolloutlog",
+    "rolloutlog_group_commit",
+}
+REQUIRED_RATIOS = {"append_vs_raw", "append_vs_eventsourcing", "read_vs_eventsourcing"}
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One tiny run, shared by the shape tests (pages of 300 rows: several per read)."""
+    db_dir = tmp_path_factory.mktemp("bench")
+    out = store_bench.run_store_benchmark(
+        events=EVENTS, batch=250, page_size=300, repeat=2, db_dir=db_dir
+    )
+    out["_db_dir"] = str(db_dir)
+    return out
+
+
+def test_result_is_json_with_the_required_ratios(result: dict[str, Any]) -> None:
+    clean = {k: v for k, v in result.items() if not k.startswith("_")}
+    assert json.loads(json.dumps(clean)) == clean
+    assert result["benchmark"] == "store"
+    assert (result["events"], result["batch"], result["repeat"]) == (EVENTS, 250, 2)
+    assert result["synchronous"] == "FULL" and result["journal_mode"] == "wal"
+    assert set(result["ratios"]) >= REQUIRED_RATIOS
+    for name, value in result["ratios"].items():
+        assert isinstance(value, float) and value > 0, name
+    assert set(result["targets"]) == REQUIRED_RATIOS
+    assert set(result["met"]) == REQUIRED_RATIOS
+    assert all(isinstance(v, bool) for v in result["met"].values())
+    assert result["machine"]["cpus"] >= 1
+
+
+def test_every_system_wrote_and_read_back_every_event(result: dict[str, Any]) -> None:
+    systems = result["systems"]
+    assert set(systems) == SYSTEMS
+    for name, m in systems.items():
+        assert m["append_events"] == EVENTS, name
+        assert m["read_events"] == EVENTS, name
+        assert m["append_eps"] > 0, name
+        assert len(m["append_eps_samples"]) == 2, name
+    for name in SYSTEMS - {"rolloutlog_group_commit"}:
+        assert systems[name]["read_eps"] > 0, name
+        assert len(systems[name]["read_eps_samples"]) == 2, name
+        assert systems[name]["synchronous"] == "FULL", name
+        assert systems[name]["journal_mode"] == "wal", name
+
+
+def test_same_rows_and_realistic_payloads(result: dict[str, Any]) -> None:
+    systems = result["systems"]
+    raw = systems["raw_sqlite3"]["payload_bytes_avg"]
+    # rolloutlog's pydantic JSON and the raw baseline's json text are the same bytes.
+    assert systems["rolloutlog"]["payload_bytes_avg"] == raw
+    assert 120 <= raw <= 200
+    # eventsourcing stores the same fields plus its own framing (timestamp transcoding).
+    assert systems["eventsourcing_aggregate_recorder"]["payload_bytes_avg"] > raw
+
+
+def test_ratios_are_computed_from_the_reported_numbers(result: dict[str, Any]) -> None:
+    s, r = result["systems"], result["ratios"]
+    rl = s["rolloutlog"]
+    best_es_append = max(
+        s["eventsourcing_aggregate_recorder"]["append_eps"],
+        s["eventsourcing_application_recorder"]["append_eps"],
+    )
+    assert r["append_vs_raw"] == pytest.approx(
+        rl["append_eps"] / s["raw_sqlite3"]["append_eps"], rel=1e-2
+    )
+    assert r["append_vs_eventsourcing"] == pytest.approx(
+        rl["append_eps"] / best_es_append, rel=1e-2
+    )
+    best_es_read = max(
+        s["eventsourcing_aggregate_recorder"]["read_eps"],
+        s["eventsourcing_application_recorder"]["read_eps"],
+    )
+    assert r["read_vs_eventsourcing"] == pytest.approx(rl["read_eps"] / best_es_read, rel=1e-2)
+
+
+def test_database_files_are_removed(result: dict[str, Any]) -> None:
+    assert list(Path(result["_db_dir"]).rglob("*.db*")) == []
+
+
+def test_a_short_read_back_is_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The read-back check is real: a store that loses the last event fails the run."""
+    real_read = EventStore.read
+
+    def lossy(self: EventStore, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        rows = list(real_read(self, *args, **kwargs))
+        return iter(rows[:-1])
+
+    monkeypatch.setattr(EventStore, "read", lossy)
+    specs = [store_bench.spec(i) for i in range(100)]
+    with pytest.raises(store_bench.BenchmarkError, match="read 99 events, wrote 100"):
+        store_bench.bench_rolloutlog(tmp_path / "x.db", specs, batch=10, page_size=30)
+
+
+def test_scale_mode(tmp_path: Path) -> None:
+    out = store_bench.run_scale_benchmark(sizes=(600, 200), window=150, batch=50, db_dir=tmp_path)
+    assert json.loads(json.dumps(out)) == out
+    assert list(out["sizes"]) == ["200", "600"]
+    for label, n in (("200", 200), ("600", 600)):
+        entry = out["sizes"][label]
+        assert entry["prefilled_events"] == n
+        assert entry["measured_events"] == 150
+        assert entry["append_eps"] > 0
+        assert entry["file_bytes"] > 0
+    assert set(out["ratios"]) == {"append_600_vs_200"}
+    assert out["ratios"]["append_600_vs_200"] > 0
+    assert isinstance(out["met"]["append_600_vs_200"], bool)
+    assert list(tmp_path.rglob("*.db*")) == []
+
+
+@pytest.mark.parametrize(
+    ("n", "label"), [(100_000, "100k"), (10_000_000, "10m"), (2_500, "2500"), (0, "0")]
+)
+def test_size_label(n: int, label: str) -> None:
+    assert store_bench.size_label(n) == label
+
+
+def test_cli_json_and_table(tmp_path: Path) -> None:
+    runner = CliRunner()
+    args = ["bench", "store", "--events", "600", "--batch", "100", "--repeat", "1"]
+    res = runner.invoke(main, [*args, "--json", "--db-dir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert set(out["ratios"]) >= REQUIRED_RATIOS
+    assert {m["read_events"] for m in out["systems"].values()} == {600}
+
+    res = runner.invoke(main, [*args, "--db-dir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    for needle in ("append_vs_raw", "append_vs_eventsourcing", "read_vs_eventsourcing"):
+        assert needle in res.stdout
+
+
+def test_cli_scale_json(tmp_path: Path) -> None:
+    res = CliRunner().invoke(
+        main,
+        ["bench", "store", "--scale", "--scale-sizes", "100,300", "--scale-window", "100",
+         "--batch", "50", "--json", "--db-dir", str(tmp_path)],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert "append_300_vs_100" in json.loads(res.stdout)["ratios"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--events", "0"], ["--scale", "--scale-sizes", "100"], ["--scale", "--scale-sizes", "x,y"]],
+)
+def test_cli_rejects_bad_sizes(args: list[str]) -> None:
+    res = CliRunner().invoke(main, ["bench", "store", *args])
+    assert res.exit_code == 2
+    assert "error" in res.output.lower()
+
+
+def test_help() -> None:
+    res = CliRunner().invoke(main, ["bench", "--help"])
+    assert res.exit_code == 0 and "store" in res.stdout
+    res = CliRunner().invoke(main, ["bench", "store", "--help"])
+    assert res.exit_code == 0
+    for option in ("--events", "--batch", "--json", "--db-dir", "--scale"):
+        assert option in res.stdout
