@@ -185,7 +185,8 @@ def check_select(sql: str) -> str:
         if seg.kind != "code":
             if ended and seg.kind != "comment":
                 raise QueryRefusedError("only one statement may run: remove what follows ';'")
-            kept.append(seg.text)
+            if not ended:
+                kept.append(seg.text)
             continue
         text = seg.text
         if ended:
@@ -456,9 +457,7 @@ class SqlAudit:
                     text = statement if self.dialect == "sqlite" else _to_pyformat(statement)
                     result = conn.exec_driver_sql(text, bound)
                 else:
-                    result = conn.execution_options(no_parameters=True).exec_driver_sql(
-                        statement
-                    )
+                    result = conn.execution_options(no_parameters=True).exec_driver_sql(statement)
                 if not result.returns_rows:
                     raise QueryRefusedError("the statement returned no rows: not a query")
                 columns = list(result.keys())
@@ -513,6 +512,9 @@ class _ReadOnlyTransaction:
                     raw.set_progress_handler(lambda: time.monotonic() > deadline, 10_000)
             else:
                 conn.exec_driver_sql("SET TRANSACTION READ ONLY")
+                # The views' plans are over-estimated on small or unanalysed tables, and
+                # JIT-compiling them costs seconds; audit queries never gain from JIT.
+                conn.exec_driver_sql("SET LOCAL jit = off")
                 if audit.timeout_s is not None:
                     ms = max(1, int(audit.timeout_s * 1000))
                     conn.exec_driver_sql(f"SET LOCAL statement_timeout = {ms}")

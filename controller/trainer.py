@@ -27,13 +27,15 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from controller.backends.base import SiblingResult
+
 
 class GRPOConfig(BaseModel):
     """Hyper-parameters of :class:`GRPOTrainer` (defaults are tuned for the toy demo)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    lr: float = Field(default=2e-2, gt=0, description="AdamW learning rate.")
+    lr: float = Field(default=5e-3, gt=0, description="AdamW learning rate.")
     betas: tuple[float, float] = Field(default=(0.9, 0.99), description="AdamW betas.")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
     clip_eps: float = Field(default=0.2, gt=0, description="PPO ratio clip: [1-eps, 1+eps].")
@@ -68,6 +70,19 @@ class TrainSample:
     completion_token_ids: Sequence[int]
     old_logprobs: Sequence[float]
     reward: float
+
+    @classmethod
+    def from_sibling(
+        cls, result: SiblingResult, prompt_token_ids: Sequence[int], reward: float
+    ) -> TrainSample:
+        """The sample of one generated sibling (its tokens and the generator's logprobs)."""
+        return cls(
+            group_id=result.group_id,
+            prompt_token_ids=tuple(prompt_token_ids),
+            completion_token_ids=result.token_ids,
+            old_logprobs=result.logprobs,
+            reward=float(reward),
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,6 +51,10 @@ def test_result_is_json_with_the_required_ratios(result: dict[str, Any]) -> None
         assert isinstance(value, float) and value > 0, name
     assert set(result["targets"]) == REQUIRED_RATIOS
     assert set(result["met"]) == REQUIRED_RATIOS
+    assert set(result["met_on_cpu_time"]) == REQUIRED_RATIOS
+    assert set(result["cpu_ratios"]) == set(result["ratios"])
+    for name, value in result["cpu_ratios"].items():
+        assert isinstance(value, float) and value > 0, name
     assert all(isinstance(v, bool) for v in result["met"].values())
     assert result["machine"]["cpus"] >= 1
 
@@ -62,6 +66,7 @@ def test_every_system_wrote_and_read_back_every_event(result: dict[str, Any]) ->
         assert m["append_events"] == EVENTS, name
         assert m["read_events"] == EVENTS, name
         assert m["append_eps"] > 0, name
+        assert m["append_cpu_eps"] > 0, name
         assert len(m["append_eps_samples"]) == 2, name
     for name in SYSTEMS - {"rolloutlog_group_commit"}:
         assert systems[name]["read_eps"] > 0, name
@@ -119,7 +124,9 @@ def test_a_short_read_back_is_an_error(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 def test_scale_mode(tmp_path: Path) -> None:
-    out = store_bench.run_scale_benchmark(sizes=(600, 200), window=150, batch=50, db_dir=tmp_path)
+    out = store_bench.run_scale_benchmark(
+        sizes=(600, 200), window=150, batch=50, repeat=2, db_dir=tmp_path
+    )
     assert json.loads(json.dumps(out)) == out
     assert list(out["sizes"]) == ["200", "600"]
     for label, n in (("200", 200), ("600", 600)):
@@ -127,9 +134,14 @@ def test_scale_mode(tmp_path: Path) -> None:
         assert entry["prefilled_events"] == n
         assert entry["measured_events"] == 150
         assert entry["append_eps"] > 0
+        assert entry["append_eps"] == max(entry["append_eps_samples"])
+        assert len(entry["append_eps_samples"]) == 2
+        assert len(entry["fill_eps_by_chunk"]) == 1
         assert entry["file_bytes"] > 0
     assert set(out["ratios"]) == {"append_600_vs_200"}
     assert out["ratios"]["append_600_vs_200"] > 0
+    assert out["cpu_ratios"]["append_600_vs_200"] > 0
+    assert len(out["paired_ratios"]["append_600_vs_200"]) == 2
     assert isinstance(out["met"]["append_600_vs_200"], bool)
     assert list(tmp_path.rglob("*.db*")) == []
 

@@ -12,6 +12,7 @@ import torch
 from pydantic import ValidationError
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
+from controller.backends.base import SiblingResult
 from controller.models import TinyModelSpec, build_tiny_model, load_policy
 from controller.task import ToyTask, ToyTaskConfig
 from controller.trainer import (
@@ -188,7 +189,7 @@ def reference_logprobs(model: LlamaForCausalLM, prompt: list[int], comp: list[in
     return [float(logp[len(prompt) - 1 + j, t]) for j, t in enumerate(comp)]
 
 
-def test_padded_batch_matches_single_samples(policy) -> None:
+def test_padded_batch_matches_single_samples(policy, one_thread: None) -> None:
     model, tok = policy
     trainer = GRPOTrainer(model, GRPOConfig(), tok.pad_token_id)
     g = torch.Generator().manual_seed(0)
@@ -207,7 +208,7 @@ def test_padded_batch_matches_single_samples(policy) -> None:
         assert lp == pytest.approx(ref, abs=1e-5)
 
 
-def test_sampler_logprobs_give_ratio_one(policy) -> None:
+def test_sampler_logprobs_give_ratio_one(policy, one_thread: None) -> None:
     """On-policy samples: the trainer recomputes the generator's logprobs, nothing clips."""
     model, tok = policy
     task = ToyTask(ToyTaskConfig(num_prompts=4))
@@ -221,6 +222,20 @@ def test_sampler_logprobs_give_ratio_one(policy) -> None:
     assert stats.samples == 16 and stats.groups == 4
     assert stats.tokens == sum(len(s.completion_token_ids) for s in samples)
     assert math.isfinite(stats.loss) and stats.grad_norm > 0
+
+
+def test_sample_from_sibling_result() -> None:
+    result = SiblingResult(
+        group_id=9,
+        sibling=2,
+        attempt=1,
+        weight_version=3,
+        token_ids=(5, 6, 2),
+        logprobs=(-0.5, -1.0, -0.25),
+        finish_reason="stop",
+    )
+    sample = TrainSample.from_sibling(result, [1, 29], 0.5)
+    assert sample == TrainSample(9, (1, 29), (5, 6, 2), (-0.5, -1.0, -0.25), 0.5)
 
 
 def test_malformed_samples_are_refused(policy) -> None:

@@ -25,7 +25,12 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from controller.backends.base import (
     BackendAbortedError,
@@ -69,14 +74,16 @@ class TorchBackend:
     """Samples siblings from a causal LM in-process (batched over a request's siblings).
 
     Args:
-        policy: a model directory (loaded with ``transformers``), or a ``(model,
-            tokenizer)`` pair; a given model is deep-copied, never shared.
+        policy: a local model directory (``AutoModelForCausalLM`` + ``AutoTokenizer``),
+            or a ``(model, tokenizer)`` pair; a given model is deep-copied, never shared.
         device: torch device for the forward passes.
         max_model_len: longest prompt + ``max_tokens``; default and upper bound: the
             model's ``max_position_embeddings``.
         seed: mixed into each sibling's sampling seed (see :func:`sibling_seed`), so a
             request's output is reproducible and independent of batching.
         weight_version: the version of the initial weights.
+        dtype: dtype of a model loaded from a directory (float32 by default: logprobs
+            comparable with a float32 trainer).
     """
 
     name = "torch"
@@ -89,15 +96,15 @@ class TorchBackend:
         max_model_len: int | None = None,
         seed: int = 0,
         weight_version: int = 0,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         self.device = torch.device(device)
         if isinstance(policy, tuple):
             model, tokenizer = policy
             model = copy.deepcopy(model)
         else:
-            from controller.models.tiny import load_policy
-
-            model, tokenizer = load_policy(policy)
+            model = AutoModelForCausalLM.from_pretrained(str(policy), dtype=dtype)
+            tokenizer = AutoTokenizer.from_pretrained(str(policy))
         self._model: PreTrainedModel = model.to(self.device).eval().requires_grad_(False)
         self.tokenizer = tokenizer
         limit = int(self._model.config.max_position_embeddings)

@@ -29,6 +29,7 @@ _BOOL_COLUMNS = frozenset({"trained", "forced", "evicted_recovered"})
 
 
 def _parse_params(pairs: tuple[str, ...]) -> dict[str, Any]:
+    """``--param NAME=VALUE`` pairs as a dict (integer-looking values as integers)."""
     params: dict[str, Any] = {}
     for pair in pairs:
         name, sep, value = pair.partition("=")
@@ -39,17 +40,19 @@ def _parse_params(pairs: tuple[str, ...]) -> dict[str, Any]:
 
 
 def _value(column: str, value: Any) -> Any:
+    """One value of a canned query, as printed on both dialects."""
     if value is None:
         return None
     if column in _BOOL_COLUMNS:
         return bool(value)
     if column.endswith("_at") and isinstance(value, str):
-        # SQLite stores UTC timestamps as naive text; print them as PostgreSQL's are.
+        # SQLite stores UTC timestamps as naive text, PostgreSQL answers in the session's
+        # time zone: print both as UTC ISO 8601.
         try:
             ts = datetime.fromisoformat(value)
         except ValueError:
             return value
-        return (ts if ts.tzinfo else ts.replace(tzinfo=UTC)).isoformat()
+        return (ts.astimezone(UTC) if ts.tzinfo else ts.replace(tzinfo=UTC)).isoformat()
     return value
 
 
@@ -60,6 +63,7 @@ def _normalise(result: QueryResult) -> QueryResult:
 
 
 def _cell(column: str, value: Any) -> Text:
+    """A table cell: NULL dimmed, booleans as true/false, short floats and timestamps."""
     if value is None:
         return Text("NULL", style="dim")
     if isinstance(value, bool):
@@ -88,6 +92,7 @@ def _details(row: dict[str, Any]) -> str:
 
 
 def _print(result: QueryResult, title: str, as_json: bool, *, events: bool = False) -> None:
+    """The rows as JSON, or as a rich table (``events``: condense the payload column)."""
     if as_json:
         click.echo(json.dumps(result.rows))
     else:
@@ -96,13 +101,21 @@ def _print(result: QueryResult, title: str, as_json: bool, *, events: bool = Fal
             console = Console(width=160)
         if not result.rows:
             console.print(f"{title}: no rows")
+        elif len(result.rows) == 1 and len(result.columns) > 6 and not events:
+            # One wide row reads better as a column of fields.
+            table = Table(title=title, title_justify="left")
+            table.add_column("column")
+            table.add_column("value", overflow="fold")
+            for col in result.columns:
+                table.add_row(col, _cell(col, result.rows[0][col]))
+            console.print(table)
         else:
             table = Table(title=title, title_justify="left")
             columns = list(result.columns)
             if events:  # event lists: the payload condensed to what the columns miss
                 columns = [c for c in columns if c != "payload"]
             for col in columns:
-                table.add_column(col, overflow="fold")
+                table.add_column(col, overflow="fold", min_width=min(len(col), 12))
             if events:
                 table.add_column("details", overflow="fold", ratio=1)
             for row in result.rows:

@@ -29,7 +29,7 @@ def _sizes(text: str) -> list[int]:
 @click.option("--batch", default=1_000, show_default=True, help="Events per transaction.")
 @click.option("--page-size", default=2_000, show_default=True, help="Rows per read page.")
 @click.option(
-    "--repeat", default=3, show_default=True, help="Interleaved runs per system; best counts."
+    "--repeat", default=3, show_default=True, help="Runs per system (or window); best counts."
 )
 @click.option(
     "--db-dir",
@@ -79,8 +79,8 @@ def store(
     try:
         if scale:
             result = store_bench.run_scale_benchmark(
-                sizes=_sizes(scale_sizes), window=scale_window, batch=batch, db_dir=db_dir,
-                keep_files=keep_files, progress=progress,
+                sizes=_sizes(scale_sizes), window=scale_window, batch=batch, repeat=repeat,
+                db_dir=db_dir, keep_files=keep_files, progress=progress,
             )  # fmt: skip
         else:
             result = store_bench.run_store_benchmark(
@@ -91,7 +91,7 @@ def store(
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
     if as_json:
-        click.echo(json.dumps(result, sort_keys=True))
+        click.echo(json.dumps(result))
     elif scale:
         store_bench.print_scale_report(result)
     else:

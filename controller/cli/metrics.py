@@ -165,8 +165,10 @@ def _print(console: Console, v: dict[str, Any], step_rows: int) -> None:
     console.print(gauges)
 
     hists = Table(title="histograms")
-    for col in ("metric", "count", "mean", "min", "max", "distribution"):
-        hists.add_column(col)
+    hists.add_column("metric", no_wrap=True)
+    for col in ("count", "mean", "min", "max"):
+        hists.add_column(col, justify="right")
+    hists.add_column("values", overflow="fold")
     for name, h in v["histograms"].items():
         dist = h.get("values") or {k: n for k, n in h["buckets"].items()}
         hists.add_row(

@@ -126,6 +126,12 @@ class ProjectionFollower:
         if isinstance(event, CheckpointMarked) and self._copies.maxlen:
             self._copies.append(self.projection.copy())
 
+    def reset(self) -> None:
+        """Start over from an empty projection (after a failed fold; hold :attr:`lock`)."""
+        self.projection = MetricsProjection()
+        self._copies.clear()
+        self.recomputes += 1
+
     def realign(self, segments: Sequence[tuple[int, int]]) -> None:
         """Make the projection a prefix of the history ``segments`` (hold :attr:`lock`)."""
         if self.projection.consistent_with(segments):
@@ -221,6 +227,7 @@ class LiveMetrics:
         self._pending_lock = threading.Lock()
         self._catching_up = False
         self._needs_sync = False
+        self._needs_rebuild = False
         self._caught_up = threading.Event()
         self._append_seen = 0
         self._checkpoint_seen = 0
@@ -268,6 +275,11 @@ class LiveMetrics:
         ctl = self.controller
         if ctl is None:
             return
+        if self._needs_sync:
+            try:
+                self.sync_now()
+            except Exception:
+                log.exception("metrics: recomputing from the log failed")
         with self.follower.lock:
             self._pull_timings()
         if self._on_events in ctl.listeners:
@@ -296,10 +308,11 @@ class LiveMetrics:
             if ctl is not None:
                 durable = ctl.flush()
                 self.follower.sync(ctl.store, ctl.run_id, to_seq=durable)
-        except Exception:
+        except Exception as exc:
             if raise_errors:
                 raise
             log.exception("metrics: catching up from the log failed; retrying on the next read")
+            self._needs_rebuild = not isinstance(exc, StoreError)  # a fold error: start over
             self._needs_sync = True
         finally:
             self._catching_up = False
@@ -323,7 +336,9 @@ class LiveMetrics:
             if not self._catching_up:
                 self._drain()
         except Exception:
+            # The fold may have stopped halfway through an event: start over from the log.
             self.listener_errors += 1
+            self._needs_rebuild = True
             self._needs_sync = True
             log.exception("metrics listener failed; the metrics will be recomputed from the log")
 
@@ -377,6 +392,10 @@ class LiveMetrics:
         if ctl is None:
             return
         self._needs_sync = False
+        if self._needs_rebuild:
+            with self.follower.lock:
+                self._needs_rebuild = False
+                self.follower.reset()
         self.follower.sync(ctl.store, ctl.run_id, to_seq=ctl.committer.durable_seq)
         self._drain()
         with self._pending_lock:

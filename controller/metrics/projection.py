@@ -835,6 +835,11 @@ class MetricsProjection:
                 if meta is not None
                 else None
             ),
+            "last_checkpoint": (
+                {"offset": self.last_checkpoint[0], "time": self.last_checkpoint[1].isoformat()}
+                if self.last_checkpoint is not None
+                else None
+            ),
             "wall_seconds": span,
             "counters": counters,
             "gauges": self.gauges(),

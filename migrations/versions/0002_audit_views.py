@@ -345,24 +345,39 @@ WHERE ev.type = 'RunResumed'
 """
 
     sql["run_summary"] = """
+WITH ep AS (
+    SELECT run_id, COUNT(*) AS epochs FROM epochs GROUP BY run_id
+),
+hs AS (
+    SELECT run_id, SUM(last_seq - first_seq + 1) AS events FROM history_spans GROUP BY run_id
+),
+st AS (
+    SELECT run_id, SUM(CASE WHEN trained THEN 1 ELSE 0 END) AS trained
+    FROM step_staleness GROUP BY run_id
+),
+po AS (
+    SELECT run_id, COUNT(*) AS pulled,
+        SUM(CASE WHEN outcome = 'trained' THEN 1 ELSE 0 END) AS trained,
+        SUM(CASE WHEN outcome = 'dropped' THEN 1 ELSE 0 END) AS dropped,
+        SUM(CASE WHEN outcome = 'evicted' THEN 1 ELSE 0 END) AS evicted,
+        SUM(CASE WHEN outcome = 'live' THEN 1 ELSE 0 END) AS live
+    FROM prompt_outcomes GROUP BY run_id
+)
 SELECT r.run_id, r.created_at, r.current_epoch, r.last_seq,
-    (SELECT COUNT(*) FROM epochs e WHERE e.run_id = r.run_id) AS epochs,
-    CAST(COALESCE((SELECT SUM(h.last_seq - h.first_seq + 1) FROM history_spans h
-                   WHERE h.run_id = r.run_id), 0) AS BIGINT) AS history_events,
-    CAST(r.last_seq - COALESCE((SELECT SUM(h.last_seq - h.first_seq + 1) FROM history_spans h
-                                WHERE h.run_id = r.run_id), 0) AS BIGINT) AS abandoned_events,
-    (SELECT COUNT(*) FROM step_staleness s WHERE s.run_id = r.run_id AND s.trained)
-        AS steps_trained,
-    (SELECT COUNT(*) FROM prompt_outcomes p WHERE p.run_id = r.run_id) AS prompts_pulled,
-    (SELECT COUNT(*) FROM prompt_outcomes p
-      WHERE p.run_id = r.run_id AND p.outcome = 'trained') AS prompts_trained,
-    (SELECT COUNT(*) FROM prompt_outcomes p
-      WHERE p.run_id = r.run_id AND p.outcome = 'dropped') AS prompts_dropped,
-    (SELECT COUNT(*) FROM prompt_outcomes p
-      WHERE p.run_id = r.run_id AND p.outcome = 'evicted') AS prompts_evicted,
-    (SELECT COUNT(*) FROM prompt_outcomes p
-      WHERE p.run_id = r.run_id AND p.outcome = 'live') AS prompts_live
+    CAST(COALESCE(ep.epochs, 0) AS BIGINT) AS epochs,
+    CAST(COALESCE(hs.events, 0) AS BIGINT) AS history_events,
+    CAST(r.last_seq - COALESCE(hs.events, 0) AS BIGINT) AS abandoned_events,
+    CAST(COALESCE(st.trained, 0) AS BIGINT) AS steps_trained,
+    CAST(COALESCE(po.pulled, 0) AS BIGINT) AS prompts_pulled,
+    CAST(COALESCE(po.trained, 0) AS BIGINT) AS prompts_trained,
+    CAST(COALESCE(po.dropped, 0) AS BIGINT) AS prompts_dropped,
+    CAST(COALESCE(po.evicted, 0) AS BIGINT) AS prompts_evicted,
+    CAST(COALESCE(po.live, 0) AS BIGINT) AS prompts_live
 FROM runs r
+LEFT JOIN ep ON ep.run_id = r.run_id
+LEFT JOIN hs ON hs.run_id = r.run_id
+LEFT JOIN st ON st.run_id = r.run_id
+LEFT JOIN po ON po.run_id = r.run_id
 """
     assert tuple(sql) == VIEW_NAMES
     return sql

@@ -63,7 +63,9 @@ class _Driver:
     def admit(self) -> None:
         self.ctl.execute(AdmitStep())
 
-    def dispatch(self, gid: int, siblings: tuple[int, ...] | None = None, version: int | None = None) -> None:
+    def dispatch(
+        self, gid: int, siblings: tuple[int, ...] | None = None, version: int | None = None
+    ) -> None:
         g = self.ctl.state.groups[gid]
         sibs = siblings or tuple(
             i for i, s in enumerate(g.siblings) if s.status is SiblingStatus.PENDING

@@ -1,7 +1,7 @@
 """Fixtures of the SQL audit suite.
 
 ``audit_run`` builds the scripted run of ``audit_helpers.build_audit_run`` once per test
-module and dialect (a SQLite file; a PostgreSQL database of its own, so the per-test
+session and dialect (a SQLite file; a PostgreSQL database of its own, so the per-test
 ``pg_url`` resets of other suites never touch it). Tests that write take the
 function-scoped ``db_url`` from ``tests/conftest.py`` instead.
 """
@@ -18,9 +18,9 @@ import pytest
 import sqlalchemy as sa
 
 from controller.audit import PromptLedger, build_ledger
+from controller.domain.state import RunState
 from controller.rollout import replay
 from controller.sql_audit import SqlAudit
-from controller.domain.state import RunState
 from eventstore import EventStore, StoredEvent
 
 _HERE = str(Path(__file__).resolve().parent)
@@ -46,12 +46,12 @@ class BuiltRun:
 
 
 @pytest.fixture(
-    scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+    scope="session", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 )
 def audit_url(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
-    """A fresh database for this module: a SQLite file, or a PostgreSQL database."""
+    """A database for the session's scripted run: a SQLite file, or a PostgreSQL database."""
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path_factory.mktemp('audit') / 'log.db'}"
         return
@@ -68,7 +68,7 @@ def audit_url(
         admin.dispose()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def audit_run(audit_url: str) -> Iterator[BuiltRun]:
     """The scripted run, its ledger, replayed state, history rows and a read-only audit."""
     store = EventStore.open(audit_url)

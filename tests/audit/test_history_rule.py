@@ -28,6 +28,9 @@ def _sql(store: EventStore, sql: str, run_id: str) -> list[tuple[int, ...]]:
         return [tuple(r) for r in conn.execute(sa.text(sql), {"r": run_id}).all()]
 
 
+_SEQS = "SELECT seq FROM {view} WHERE run_id = :r ORDER BY seq"
+
+
 def _check(store: EventStore, run_id: str) -> None:
     want = _expected(store, run_id)
     spans = _sql(
@@ -36,9 +39,9 @@ def _check(store: EventStore, run_id: str) -> None:
         run_id,
     )
     assert spans == store.history_segments(run_id), run_id
-    got = [s for (s,) in _sql(store, "SELECT seq FROM history_events WHERE run_id = :r ORDER BY seq", run_id)]  # fmt: skip
+    got = [s for (s,) in _sql(store, _SEQS.format(view="history_events"), run_id)]
     assert got == want, run_id
-    gone = [s for (s,) in _sql(store, "SELECT seq FROM abandoned_events WHERE run_id = :r ORDER BY seq", run_id)]  # fmt: skip
+    gone = [s for (s,) in _sql(store, _SEQS.format(view="abandoned_events"), run_id)]
     assert sorted(set(gone) | set(got)) == list(range(1, store.last_seq(run_id) + 1))
     assert not set(gone) & set(got)
 

@@ -9,8 +9,10 @@ tests skip with the reason, except in CI (``CI`` set), where they fail — the p
 from __future__ import annotations
 
 import asyncio
+import importlib
 import importlib.util
 import os
+import warnings
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -109,8 +111,19 @@ def vllm_session_backend(tiny_model_dir: Path, run: Runner) -> Iterator[Generati
     reason = vllm_missing_reason()
     if reason is not None:
         _vllm_unavailable(reason)
+    with warnings.catch_warnings():  # vLLM's own imports use deprecated torch.jit APIs
+        warnings.simplefilter("ignore", DeprecationWarning)
+        importlib.import_module("vllm.engine.arg_utils")
+        importlib.import_module("vllm.v1.engine.async_llm")
+    # KV blocks of 32 tokens (the CPU default is 128 = the whole context) so prompts fill
+    # blocks and the prefix cache is exercised: stale cached KV after a weight update
+    # would show in the logprob tests.
     backend = make_backend(
-        "vllm", model_dir=tiny_model_dir, max_model_len=MAX_MODEL_LEN, shutdown_timeout=3.0
+        "vllm",
+        model_dir=tiny_model_dir,
+        max_model_len=MAX_MODEL_LEN,
+        shutdown_timeout=3.0,
+        engine_kwargs={"block_size": 32, "enable_prefix_caching": True},
     )
     run(backend.start(), timeout=300)
     yield backend

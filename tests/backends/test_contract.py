@@ -30,9 +30,10 @@ from controller.backends import (
     validate_results,
 )
 from controller.models import load_policy
-from tests.backends.conftest import MAX_MODEL_LEN, SLOW_GROUP_BASE, Runner
 
-PROMPT = (1, *range(4, 24))  # <bos> and 20 characters
+from .conftest import MAX_MODEL_LEN, SLOW_GROUP_BASE, Runner
+
+PROMPT = (1, *range(4, 44))  # <bos> and 40 characters: a full KV block of 32 and more
 FAVOURED = 30  # a character, not eos
 
 
@@ -278,17 +279,23 @@ def test_update_weights_bumps_the_version_and_changes_generation(
 
 
 def test_update_waits_for_in_flight_requests(
-    backend: GenerationBackend, run: Runner, base_weights: dict[str, torch.Tensor]
+    backend: GenerationBackend,
+    run: Runner,
+    policy: tuple[Any, Any],
+    other_model_dir: Path,
 ) -> None:
-    """A swap never lands under a running request: old requests keep the old version."""
+    """A swap never lands under a running request: each result is one version's work."""
     version = backend.weight_version
+    other, _ = load_policy(other_model_dir)
     early = make_request(110, tuple(range(8)), max_tokens=60)
-    late = make_request(111, (0, 1), max_tokens=4)
+    late = make_request(111, (0, 1), max_tokens=8)
 
     async def scenario() -> tuple[list[SiblingResult], list[SiblingResult]]:
         first = asyncio.ensure_future(backend.generate(early))
         await _until_in_flight(backend, 110)
-        swap = asyncio.ensure_future(backend.update_weights(base_weights.items(), version + 1))
+        swap = asyncio.ensure_future(
+            backend.update_weights(other.state_dict().items(), version + 1)
+        )
         await asyncio.sleep(0)
         second = asyncio.ensure_future(backend.generate(late))
         return await first, (await asyncio.gather(swap, second))[1]
@@ -296,6 +303,11 @@ def test_update_waits_for_in_flight_requests(
     old, new = run(scenario())
     assert {r.weight_version for r in old} == {version}
     assert {r.weight_version for r in new} == {version + 1}
+    if backend.name != "deterministic":  # every token came from the version it names
+        for r in old:
+            assert r.logprobs == pytest.approx(score(policy[0], PROMPT, r.token_ids), abs=1e-3)
+        for r in new:
+            assert r.logprobs == pytest.approx(score(other, PROMPT, r.token_ids), abs=1e-3)
 
 
 @pytest.mark.parametrize("defect", ["unknown", "missing", "shape", "version", "nan", "empty"])
@@ -376,7 +388,9 @@ def test_vllm_engine_failure_names_the_cause(
 ) -> None:
     # The session engine proves vllm is here; this one cannot start (context too long).
     backend = make_backend("vllm", model_dir=tiny_model_dir, max_model_len=4096)
-    with pytest.raises(BackendUnavailableError, match=r"vLLM engine failed to start.*4096"):
+    with pytest.raises(
+        BackendUnavailableError, match=r"(?s)vLLM engine failed to start.*max_model_len \(4096\)"
+    ):
         run(backend.start(), timeout=120)
 
 

@@ -25,6 +25,7 @@ from domain_helpers import (
     rules,
     start,
     step_groups,
+    store_config,
 )
 
 from controller.config import RolloutConfig
@@ -38,10 +39,10 @@ from controller.domain import (
     SiblingStatus,
     check_invariants,
 )
-from controller.domain.errors import CursorBehindError, RestoreError
+from controller.domain.errors import CursorBehindError, RestoreError, RunFailedError
 from controller.domain.events import CheckpointMarked
 from controller.domain.state import Loan
-from controller.rollout import iter_history
+from controller.rollout import RolloutController, iter_history
 from eventstore import EpochFencedError, EventStore, GroupCommitClosedError
 
 
@@ -191,10 +192,10 @@ def test_b_a_checkpoint_with_a_stale_cursor_is_refused(store: EventStore, field:
     assert f"field {field}={cursors[field]}" in message
     if field == "dispatch_cursor":
         assert "group 5 (prompt 5) stamped for step 2" in message
+        assert "refusing to restore rather than drop prompts" in message
         assert exc.value.groups == (5,)
     else:
-        assert f"the {state.dataset_cursor} prompts" in message
-    assert "refusing to restore" in message or field == "dataset_cursor"
+        assert f"behind the {state.dataset_cursor} prompts" in message
     assert exc.value.offset == offset
     after = store.get_run("run")
     assert (after.last_seq, after.current_epoch) == (before.last_seq, before.current_epoch)
@@ -207,10 +208,11 @@ def test_b_a_checkpoint_with_a_stale_cursor_is_refused(store: EventStore, field:
 def test_c_a_partial_group_seven_versions_behind_at_restore(
     sqlite_store: EventStore, sampler: str
 ) -> None:
-    """The run's config is frozen, so each sampler builds its own history: the trainer
-    runs seven steps ahead while generation is not re-synced (no PublishWeights, which is
-    where gated samplers evict partial groups), and one group keeps a sibling finished
-    with weights 0 and another in flight."""
+    """One sibling of a step-7 group generates across seven weight syncs (in-flight work
+    is not aborted at sync: abort_stale_at_weight_sync=False) and finishes with the
+    weights it started with, 0, right before a checkpoint at trainer version 7; its other
+    sibling is in flight. The run's config is frozen, so each sampler builds its own
+    history the same way."""
     store = sqlite_store
     cfg = rules(
         group_size=2,
@@ -220,18 +222,22 @@ def test_c_a_partial_group_seven_versions_behind_at_restore(
         spare_pool_size=1,
         staleness_bound=2,
         recovery_granularity="sibling",
+        abort_stale_at_weight_sync=False,
     )
     ctl = start(store, cfg)
     admit_all(ctl)  # steps 0..8; step k > 0 holds groups 2k+1, 2k+2; spare 2
     old = step_groups(ctl, 7)[0]
-    dispatch(ctl, old, version=0)
-    complete(ctl, old, 0)  # sibling 0 done with weights 0; sibling 1 stays in flight
+    dispatch(ctl, old, (0,))  # weights 0: a long generation
     for k in range(7):
         for gid in step_groups(ctl, k):
-            finish_group(ctl, gid, version=ctl.state.weight_version)
+            finish_group(ctl, gid)  # with the published weights, k
         ctl.execute(SelectBatch(k))
         ctl.execute(RecordTrainStep(k, k + 1))
-    assert ctl.state.weight_version == 7
+        ctl.execute(PublishWeights(k + 1))
+    assert ctl.state.counters.groups_evicted == 0
+    complete(ctl, old, 0)  # finishes with weights 0
+    dispatch(ctl, old, (1,))  # weights 7, in flight
+    assert (ctl.state.weight_version, ctl.state.published_version) == (7, 7)
     assert ctl.state.staleness(ctl.state.groups[old]) == 7
     ckpt = ctl.checkpoint(7)
     ctl.close()
@@ -247,7 +253,6 @@ def test_c_a_partial_group_seven_versions_behind_at_restore(
         g = ctl.state.groups[old]
         assert g.recovered and g.phase is Phase.ADMITTED
         assert [s.status for s in g.siblings] == [SiblingStatus.DONE, SiblingStatus.PENDING]
-        ctl.execute(PublishWeights(7))  # ready_first evicts nothing at weight sync either
         rerun = dispatch(ctl, old)
         assert [(e.sibling, e.attempt) for _, e in rerun] == [(1, 2)]  # only the unfinished
         complete(ctl, old, 1)
@@ -485,3 +490,40 @@ def test_epoch_fencing_after_a_restore(store: EventStore) -> None:
     assert epochs == {2}
     assert_replay_equals_live(new)
     new.close()
+
+
+def test_a_failed_run_can_be_reopened_checkpointed_and_restored(store: EventStore) -> None:
+    """drop_policy=fail stops the run, but a takeover (open), a checkpoint and a restore
+    still work (regressions: open raised RunFailedError after moving the epoch, and a
+    restore at a checkpoint taken after the failure raised after appending RunRestored)."""
+    cfg = rules(drop_policy="fail")
+    ctl = start(store, cfg)
+    admit_all(ctl)
+    before_failure = ctl.checkpoint(0)
+    dispatch(ctl, 0)
+    fail(ctl, 0, 0, retryable=False, reason="fatal")
+    failure = ctl.state.failure
+    assert failure is not None and "fatal" in failure
+    after_failure = ctl.checkpoint(0)
+    ctl.close()
+
+    ctl = RolloutController.open(store, "run", store_config=store_config())
+    assert ctl.state.failure == failure
+    assert ctl.epoch == 2 == ctl.state.epoch
+    with pytest.raises(RunFailedError, match="fatal"):
+        ctl.execute(AdmitStep())
+    ctl.close()
+
+    ctl, report = restore(store, cfg, after_failure)
+    assert ctl.state.failure == failure  # still failed; nothing evicted or assigned
+    assert report.groups_evicted_stale == 0
+    assert [ev.event_type for _, ev in _after(store, after_failure)] == ["RunRestored"]
+    assert_replay_equals_live(ctl)
+    ctl.close()
+
+    ctl, _ = restore(store, cfg, before_failure)  # before the failure: the run goes on
+    assert ctl.state.failure is None
+    assert 0 in ctl.state.groups
+    drive_to_end(ctl)
+    ctl.close()
+    PromptLedger.from_history(store, "run").check_against(ctl.state)

@@ -61,11 +61,11 @@ configs = st.builds(
     RolloutConfig,
     group_size=st.integers(1, 3),
     groups_per_step=st.integers(1, 3),
-    sampler=st.sampled_from(["in_order", "windowed", "weight_fifo", "ready_first"]),
+    sampler=st.sampled_from(["in_order", "in_order", "windowed", "weight_fifo", "ready_first"]),
     staleness_bound=st.integers(0, 3),
     lookahead=st.integers(0, 3),
     spare_pool_size=st.integers(0, 2),
-    drop_policy=st.sampled_from(["replace", "shrink", "fail"]),
+    drop_policy=st.sampled_from(["replace", "replace", "shrink", "fail"]),
     min_step_fraction=st.sampled_from([0.34, 0.5, 1.0]),
     attempts_per_sibling=st.integers(1, 3),
     recovery_granularity=st.sampled_from(["sibling", "group"]),
@@ -82,6 +82,7 @@ class RolloutMachine(RuleBasedStateMachine):
         self.config: RolloutConfig | None = None
         self.checkpoints: list[tuple[int, int]] = []  # (offset, train step)
         self.results = 0
+        self.opened_at = -1  # offset where the last restore/reopen left the log
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -108,6 +109,10 @@ class RolloutMachine(RuleBasedStateMachine):
 
     def _failed(self) -> bool:
         return self.c.state.failure is not None
+
+    def _moved_on(self) -> bool:
+        """Something happened since the last restore or reopen (no back-to-back ones)."""
+        return self.c.state.last_seq != self.opened_at
 
     # ------------------------------------------------------------------ rules
     @initialize(config=configs, dataset_size=st.integers(4, 24))
@@ -170,24 +175,23 @@ class RolloutMachine(RuleBasedStateMachine):
             )
         )
 
-    @precondition(lambda self: not self._failed())
-    @rule(data=st.data())
-    def generate(self, data: st.DataObject) -> None:
-        """A burst of generation: dispatch every pending sibling with the published
-        weights, then give each in-flight sibling a random outcome (mostly success)."""
+    def _generate(self, data: st.DataObject, outcomes: st.SearchStrategy[str]) -> None:
+        """Dispatch every pending sibling with the published weights, then give each
+        in-flight sibling an outcome drawn from ``outcomes``."""
         for gid in self._dispatchable():
             g = self.c.state.groups[gid]
             pending = tuple(
                 i for i, s in enumerate(g.siblings) if s.status is SiblingStatus.PENDING
             )
             self.c.execute(DispatchSiblings(gid, pending, self.c.state.published_version))
-        outcomes = st.sampled_from(["complete"] * 6 + ["retry", "drop", "abort", "leave"])
-        for gid, i in self._in_flight():
-            if self._failed() or gid not in self.c.state.groups:
-                return  # the run failed, or a drop removed the group
-            sib = self.c.state.groups[gid].siblings[i]
-            if sib.status is not SiblingStatus.IN_FLIGHT:
-                continue
+        order = data.draw(st.permutations(self._in_flight()), label="completion order")
+        for gid, i in order:
+            if self._failed():
+                return
+            g = self.c.state.groups.get(gid)
+            if g is None or g.siblings[i].status is not SiblingStatus.IN_FLIGHT:
+                continue  # a drop or an eviction of this decision removed it
+            sib = g.siblings[i]
             outcome = data.draw(outcomes, label=f"outcome of {gid}/{i}")
             if outcome == "complete":
                 self.results += 1
@@ -202,15 +206,14 @@ class RolloutMachine(RuleBasedStateMachine):
                         1.0,
                         f"r{self.results}",
                         "stop",
-                    )  # fmt: skip
+                    )
                 )
             elif outcome in ("retry", "drop"):
                 self.c.execute(FailSibling(gid, i, sib.attempt, outcome == "retry", "flaky"))
             elif outcome == "abort":
                 self.c.execute(AbortSibling(gid, i, sib.attempt, "preempted"))
 
-    @rule()
-    def train_cycle(self) -> None:
+    def _train_cycle(self) -> None:
         """Select (after any evictions), train and publish, as a training loop does."""
         s = self.c.state
         try:
@@ -222,6 +225,75 @@ class RolloutMachine(RuleBasedStateMachine):
             self.c.execute(PublishWeights(s.weight_version))
         except (BatchNotReadyError, RunFailedError):
             pass
+
+    @precondition(lambda self: not self._failed())
+    @rule(data=st.data())
+    def generate(self, data: st.DataObject) -> None:
+        """A burst of generation with every kind of outcome."""
+        self._generate(
+            data, st.sampled_from(["complete"] * 4 + ["retry", "drop", "abort", "leave"])
+        )
+
+    @precondition(lambda self: not self._failed())
+    @rule(data=st.data(), rounds=st.integers(1, 4))
+    def advance(self, data: st.DataObject, rounds: int) -> None:
+        """Rounds of a healthy training loop: admit, generate (rare trouble), train."""
+        # No drops here: under drop_policy fail one drop ends the run's progress.
+        outcomes = st.sampled_from(["complete"] * 12 + ["retry", "abort", "leave"])
+        for _ in range(rounds):
+            for _ in range(4):
+                try:
+                    self.c.execute(AdmitStep())
+                except (LookaheadExceededError, DatasetExhaustedError, RunFailedError):
+                    break
+            if self._failed():
+                return
+            self._generate(data, outcomes)
+            self._train_cycle()
+
+    @precondition(lambda self: not self._failed())
+    @rule()
+    def later_steps_finish_then_an_early_prompt_fails(self) -> None:
+        """Dispatch everything, finish every group stamped after the earliest generating
+        step, then fail a prompt of that step for good: under in_order with a spare in
+        hand, its step borrows a ready group from the furthest later step."""
+        self.admit(3)
+        if self._failed():
+            return
+        for gid in self._dispatchable():
+            g = self.c.state.groups[gid]
+            pending = tuple(
+                i for i, s in enumerate(g.siblings) if s.status is SiblingStatus.PENDING
+            )
+            self.c.execute(DispatchSiblings(gid, pending, self.c.state.published_version))
+        s = self.c.state
+        generating = [(s.groups[gid].target_step, gid, i) for gid, i in self._in_flight()]
+        if not generating:
+            return
+        earliest, victim, sibling = min(generating)  # type: ignore[type-var]
+        for step, gid, i in generating:
+            if step != earliest:
+                self.results += 1
+                sib = s.groups[gid].siblings[i]
+                self.c.execute(
+                    CompleteSibling(
+                        gid,
+                        i,
+                        sib.attempt,
+                        sib.weight_version or 0,
+                        3,
+                        2,
+                        1.0,
+                        f"r{self.results}",
+                        "stop",
+                    )
+                )
+        attempt = s.groups[victim].siblings[sibling].attempt
+        self.c.execute(FailSibling(victim, sibling, attempt, False, "early prompt failed"))
+
+    @rule()
+    def train_cycle(self) -> None:
+        self._train_cycle()
 
     @precondition(lambda self: not self._failed())
     @rule(data=st.data())
@@ -278,7 +350,11 @@ class RolloutMachine(RuleBasedStateMachine):
         with contextlib.suppress(RunFailedError):
             self.c.execute(RecordTrainStep(s.train_step, s.weight_version + 1))
 
-    @precondition(lambda self: not self._failed())
+    @precondition(
+        lambda self: (
+            not self._failed() and self.c.state.published_version < self.c.state.weight_version
+        )
+    )
     @rule(data=st.data())
     def publish(self, data: st.DataObject) -> None:
         s = self.c.state
@@ -290,13 +366,19 @@ class RolloutMachine(RuleBasedStateMachine):
     def evict_stale(self) -> None:
         self.c.execute(EvictStale(reason="operator request"))
 
+    @precondition(
+        lambda self: (
+            self.c.state.checkpoint is None
+            or self.c.state.checkpoint.offset != self.c.state.last_seq
+        )
+    )
     @rule()
     def checkpoint(self) -> None:
         step = self.c.state.train_step
         offset = self.c.checkpoint(step)
         self.checkpoints.append((offset, step))
 
-    @precondition(lambda self: bool(self.checkpoints))
+    @precondition(lambda self: bool(self.checkpoints) and self._moved_on())
     @rule(data=st.data(), mode=st.sampled_from(["salvage", "strict"]))
     def restore(self, data: st.DataObject, mode: str) -> None:
         offset, step = data.draw(st.sampled_from(self.checkpoints), label="checkpoint")
@@ -311,14 +393,17 @@ class RolloutMachine(RuleBasedStateMachine):
             store_config=store_config(snapshot_interval=SNAPSHOT_INTERVAL),
         )
         self.ctl = ctl
+        self.opened_at = ctl.state.last_seq
         assert report.from_offset == offset
         assert ctl.state.train_step == step
         assert ctl.state.epoch == report.epoch == self.store.get_run(RUN).current_epoch
         if mode == "strict" or report.granularity == "group":
             assert report.siblings_salvaged == 0
+        assert not self._in_flight()  # attempts of the abandoned epoch are void
         # Stale recovered groups are evicted as recovered (never counted as trained).
         assert report.groups_evicted_stale <= ctl.state.counters.groups_evicted_recovered
 
+    @precondition(lambda self: self._moved_on())
     @rule()
     def reopen(self) -> None:
         self.c.close()
@@ -326,6 +411,7 @@ class RolloutMachine(RuleBasedStateMachine):
         self.ctl = RolloutController.open(
             self.store, RUN, store_config=store_config(snapshot_interval=SNAPSHOT_INTERVAL)
         )
+        self.opened_at = self.c.state.last_seq
         assert not self._in_flight()  # the old epoch's attempts are re-dispatched
 
     # ------------------------------------------------------------------ invariants
@@ -362,10 +448,38 @@ class RolloutMachine(RuleBasedStateMachine):
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-RolloutMachine.TestCase.settings = settings(
+#: In-order runs that replace drops from a spare pool: the rules under which a short
+#: step borrows a ready group from a later step and a spare repays it.
+borrowing_configs = st.builds(
+    RolloutConfig,
+    group_size=st.integers(1, 3),
+    groups_per_step=st.integers(2, 3),
+    sampler=st.just("in_order"),
+    staleness_bound=st.integers(1, 3),
+    lookahead=st.integers(1, 3),
+    spare_pool_size=st.integers(1, 3),
+    drop_policy=st.just("replace"),
+    attempts_per_sibling=st.integers(1, 3),
+    recovery_granularity=st.sampled_from(["sibling", "group"]),
+    abort_stale_at_weight_sync=st.booleans(),
+)
+
+
+class BorrowingMachine(RolloutMachine):
+    """The same machine under in_order/replace rules with spares (borrows and repayments)."""
+
+    @initialize(config=borrowing_configs, dataset_size=st.integers(8, 30))
+    def start(self, config: RolloutConfig, dataset_size: int) -> None:
+        RolloutMachine.start(self, config, dataset_size)
+
+
+_SETTINGS = settings(
     max_examples=40,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
+RolloutMachine.TestCase.settings = _SETTINGS
+BorrowingMachine.TestCase.settings = settings(_SETTINGS, max_examples=25)
 test_rollout_state_machine = RolloutMachine.TestCase
+test_borrowing_state_machine = BorrowingMachine.TestCase

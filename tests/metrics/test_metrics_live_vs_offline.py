@@ -164,4 +164,3 @@ def test_live_equals_offline_after_a_takeover(sqlite_url: str) -> None:
     assert live_values["counters"]["rollout_restores_total"] == 0
     assert len(live_values["history"]) == 1
     _check_against_state(sc, live_values)
-

@@ -332,3 +332,15 @@ def test_metric_names_are_user_vocabulary() -> None:
             assert name.endswith("_total"), name
         if info.unit == "seconds":
             assert name.endswith("_seconds"), name
+
+
+def test_every_metric_is_documented() -> None:
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+    for name, info in METRICS.items():
+        assert f"`{name}" in doc, f"{name} is missing from docs/metrics.md"
+        for label in info.labels:
+            assert label in doc
+    assert "telemetry:" in doc and "enabled: true" in doc
+    assert "rolloutlog metrics" in doc and "rolloutlog serve-metrics" in doc

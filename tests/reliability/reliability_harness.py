@@ -18,7 +18,7 @@ from controller.rollout import RolloutController, replay
 from controller.runtime import GenerationConfig, RolloutRuntime
 from eventstore import MemoryEventStore, NewEvent
 
-DATASET = 120
+DATASET = 120  # for the crash-at-every-offset run
 FINGERPRINT = "reliability-v1"
 WEIGHTS = [("w", torch.zeros(1))]
 

@@ -127,7 +127,7 @@ def test_processes_competing_for_one_run(db_url: str, open_store) -> None:
     """Separate processes (own connections, own pools) appending with retry on conflict."""
     store = open_store(db_url)
     store.create_run("r1")
-    procs, wins, batch = 3, 25, 4
+    procs, wins, batch = 3, 20, 4
     children = [
         subprocess.Popen(
             worker_cmd("contend", db_url, "r1", str(w), str(wins), str(batch)),

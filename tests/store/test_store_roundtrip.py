@@ -227,3 +227,21 @@ def test_reopen_sees_the_same_log(db_url: str, open_store) -> None:
     again = open_store(db_url)
     assert list(again.read("r1")) == before
     assert again.last_seq("r1") == 5
+
+
+def test_nul_in_payload_is_kept_or_refused_never_cut(store: EventStore) -> None:
+    """SQLite keeps a raw NUL; PostgreSQL TEXT cannot hold one and refuses the whole batch
+    with a StoreError. Either way nothing is truncated at the NUL and no batch is partial.
+    (A codec-encoded payload is JSON, which writes NUL as \\u0000, so it never has one.)"""
+    store.create_run("r1")
+    batch = [make_event(1), make_event(2, payload='{"a": "x\x00y"}')]
+    try:
+        store.append("r1", batch, expected_seq=1, epoch=1)
+    except StoreError as exc:
+        assert store.dialect == "postgresql", exc
+        assert "NUL" in str(exc) and "appending to run 'r1'" in str(exc)
+        assert store.last_seq("r1") == 0
+        assert list(store.read("r1")) == []
+    else:
+        assert store.dialect == "sqlite"
+        assert [e.payload for e in store.read("r1")] == [e.payload for e in batch]

@@ -1,0 +1,278 @@
+"""Every SQL block of ``docs/sql-cookbook.md`` runs on SQLite and PostgreSQL against the
+scripted run, through the read-only runner, and its result agrees with the Python
+prompt ledger, the replayed state and the store's history; the documented view columns
+are the views' columns."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import BuiltRun
+
+from controller.sql_audit import VIEWS, param_names
+
+COOKBOOK = Path(__file__).resolve().parents[2] / "docs" / "sql-cookbook.md"
+_BLOCK = re.compile(r"^```sql\n(.*?)^```", re.S | re.M)
+_RECIPE = re.compile(r"^-- recipe: ([a-z0-9-]+)\n")
+
+
+def recipes() -> dict[str, str]:
+    """The cookbook's ```sql blocks by recipe name (each block's first line names it)."""
+    out: dict[str, str] = {}
+    for block in _BLOCK.findall(COOKBOOK.read_text()):
+        m = _RECIPE.match(block)
+        assert m, f"a cookbook SQL block has no '-- recipe: NAME' first line:\n{block}"
+        assert m.group(1) not in out, f"recipe {m.group(1)} appears twice"
+        out[m.group(1)] = block
+    return out
+
+
+def documented_columns() -> dict[str, list[str]]:
+    """View name -> the columns its table in the cookbook lists, in order."""
+    out: dict[str, list[str]] = {}
+    current: str | None = None
+    for line in COOKBOOK.read_text().splitlines():
+        heading = re.match(r"^### `(\w+)`$", line)
+        if heading:
+            current = heading.group(1)
+            out[current] = []
+            continue
+        if line.startswith("## "):
+            current = None
+        cell = re.match(r"^\| `(\w+)` \|", line)
+        if current is not None and cell:
+            out[current].append(cell.group(1))
+    return out
+
+
+def run(b: BuiltRun, name: str, **params: Any) -> list[dict[str, Any]]:
+    sql = recipes()[name]
+    bound = {"run_id": b.run.run_id, **params}
+    return b.audit.select(sql, {k: bound[k] for k in param_names(sql)}, limit=None).rows
+
+
+def pairs(rows: list[dict[str, Any]], *cols: str) -> list[tuple[Any, ...]]:
+    return [tuple(r[c] for c in cols) for r in rows]
+
+
+# ---------------------------------------------------------------- one check per recipe
+
+
+def check_step_of_prompt(b: BuiltRun) -> None:
+    ledger = b.ledger
+    for prompt, group in ledger.group_of_prompt.items():
+        (row,) = run(b, "step-of-prompt", prompt_index=prompt)
+        assert row["group_id"] == group
+        if prompt in ledger.step_of_prompt:
+            assert row["outcome"] == "trained"
+            assert [row["train_step"]] == ledger.step_of_prompt[prompt]
+        else:
+            assert row["train_step"] is None
+            assert row["outcome"] == (
+                "dropped" if prompt in ledger.dropped
+                else "evicted" if prompt in ledger.evicted else "live"
+            )  # fmt: skip
+    assert run(b, "step-of-prompt", prompt_index=10_000) == []
+
+
+def check_steps_of_all_prompts(b: BuiltRun) -> None:
+    got = pairs(run(b, "steps-of-all-prompts"), "prompt_index", "train_step")
+    want = sorted((p, s) for p, steps in b.ledger.step_of_prompt.items() for s in steps)
+    assert got == want and got
+
+
+def check_prompts_trained_twice(b: BuiltRun) -> None:
+    assert run(b, "prompts-trained-twice") == []
+    assert b.ledger.trained_twice == []
+
+
+def check_dropped_prompts(b: BuiltRun) -> None:
+    rows = run(b, "dropped-prompts")
+    assert {r["prompt_index"]: r["reason"] for r in rows if r["outcome"] == "dropped"} == (
+        b.ledger.dropped
+    )
+    assert {r["prompt_index"]: r["reason"] for r in rows if r["outcome"] == "evicted"} == (
+        b.ledger.evicted
+    )
+    assert {r["outcome"] for r in rows} == {"dropped", "evicted"}
+
+
+def check_vacated_slots(b: BuiltRun) -> None:
+    rows = {r["prompt_index"]: r for r in run(b, "vacated-slots")}
+    assert set(rows) == set(b.ledger.dropped) | set(b.ledger.evicted)
+    dropped = rows[b.ledger.prompt_of_group[b.run.dropped_group]]
+    assert dropped["vacate_outcome"] == "borrowed" and dropped["replaced_by_prompt"] is None
+    evicted = rows[b.ledger.prompt_of_group[b.run.evicted_group]]
+    assert evicted["vacate_outcome"] == "replaced"
+    assert evicted["replaced_by_prompt"] in b.ledger.step_of_prompt  # the spare trained
+
+
+def check_live_prompts(b: BuiltRun) -> None:
+    rows = run(b, "live-prompts")
+    assert {r["prompt_index"] for r in rows} == b.ledger.unfinished()
+    state_phase = {g.prompt_index: g.phase.value for g in b.state.groups.values()}
+    assert {r["prompt_index"]: r["phase"] for r in rows} == state_phase
+
+
+def _selected_staleness(b: BuiltRun) -> dict[int, list[int]]:
+    from controller.domain import CODEC
+    from controller.domain.events import GroupSelected
+
+    out: dict[int, list[int]] = defaultdict(list)
+    for row in b.history:
+        if row.type == "GroupSelected":
+            ev = CODEC.decode(row)
+            assert isinstance(ev, GroupSelected)
+            out[ev.train_step].append(ev.staleness)
+    return out
+
+
+def check_staleness_per_step(b: BuiltRun) -> None:
+    rows = run(b, "staleness-per-step")
+    stale = _selected_staleness(b)
+    assert [r["train_step"] for r in rows] == sorted(stale)
+    trained_per_step = Counter(s for steps in b.ledger.step_of_prompt.values() for s in steps)
+    for r in rows:
+        values = stale[r["train_step"]]
+        assert r["groups"] == len(values)
+        assert (r["min_staleness"], r["max_staleness"]) == (min(values), max(values))
+        assert r["avg_staleness"] == pytest.approx(sum(values) / len(values))
+        assert r["shortfall"] == 0
+        assert bool(r["trained"]) == (r["train_step"] in b.ledger.step_rewards)
+        if r["trained"]:
+            assert r["groups"] == trained_per_step[r["train_step"]]
+
+
+def check_reward_per_step(b: BuiltRun) -> None:
+    rows = run(b, "reward-per-step")
+    got = {r["train_step"]: r["mean_reward"] for r in rows}
+    assert got == pytest.approx(b.ledger.step_rewards)
+    assert len(got) == b.state.train_step
+
+
+def check_step_batch(b: BuiltRun) -> None:
+    by_step: dict[int, set[int]] = defaultdict(set)
+    for prompt, steps in b.ledger.step_of_prompt.items():
+        for s in steps:
+            by_step[s].add(prompt)
+    for step, prompts in by_step.items():
+        rows = run(b, "step-batch", train_step=step)
+        assert {r["prompt_index"] for r in rows} == prompts
+        assert all(r["trained"] and r["weight_version"] == step + 1 for r in rows)
+    # The selected, untrained batch: the state's.
+    (pending,) = b.state.batches
+    rows = run(b, "step-batch", train_step=pending)
+    assert [r["group_id"] for r in rows] == sorted(b.state.batches[pending])
+    assert not any(r["trained"] for r in rows)
+
+
+def check_group_lifecycle(b: BuiltRun) -> None:
+    ledger = b.ledger
+    for group, prompt in ledger.prompt_of_group.items():
+        (row,) = run(b, "group-lifecycle", group_id=group)
+        assert row["prompt_index"] == prompt
+        if prompt in ledger.step_of_prompt:
+            assert row["phase"] == "trained" and row["trained"]
+            assert [row["selected_train_step"]] == ledger.step_of_prompt[prompt]
+        elif prompt in ledger.dropped:
+            assert row["phase"] == "dropped"
+            assert row["dropped_reason"] == ledger.dropped[prompt]
+        elif prompt in ledger.evicted:
+            assert row["phase"] == "evicted"
+            assert row["evicted_reason"] == ledger.evicted[prompt]
+        else:
+            assert row["phase"] == b.state.groups[group].phase.value
+    (lent,) = run(b, "group-lifecycle", group_id=b.run.borrowed_group)
+    assert (lent["admitted_step"], lent["borrowed_from_step"], lent["target_step"]) == (1, 1, 0)
+
+
+def check_group_events(b: BuiltRun) -> None:
+    groups = {e.group_id for e in b.history if e.group_id is not None}
+    for group in groups:
+        rows = run(b, "group-events", group_id=group)
+        want = [(e.seq, e.epoch, e.type) for e in b.history if e.group_id == group]
+        assert pairs(rows, "seq", "epoch", "type") == want
+
+
+def check_recoveries(b: BuiltRun) -> None:
+    rows = run(b, "recoveries")
+    restore = rows[0]
+    assert [r["kind"] for r in rows] == ["restore", "resume"]
+    for key in ("epoch", "from_offset", "mode", "complete_groups_restored",
+                "unfinished_groups_found", "siblings_reused", "siblings_rerun",
+                "siblings_salvaged"):  # fmt: skip
+        assert restore[key] == b.run.report[key], key
+    assert restore["recovered_groups_evicted"] == b.run.report["groups_evicted_stale"]
+    assert restore["rolled_back_events"] == len(b.all_rows) - len(b.history)
+
+
+def check_abandoned_events(b: BuiltRun) -> None:
+    kept = {e.seq for e in b.history}
+    want = Counter((e.epoch, e.type) for e in b.all_rows if e.seq not in kept)
+    got = {(r["epoch"], r["type"]): r["events"] for r in run(b, "abandoned-events")}
+    assert got == dict(want) and got
+
+
+def check_history_spans(b: BuiltRun) -> None:
+    assert pairs(run(b, "history-spans"), "first_seq", "last_seq") == b.segments
+
+
+def check_events_per_type_per_epoch(b: BuiltRun) -> None:
+    want = Counter((e.epoch, e.type) for e in b.history)
+    rows = run(b, "events-per-type-per-epoch")
+    assert {(r["epoch"], r["type"]): r["events"] for r in rows} == dict(want)
+    assert pairs(rows, "epoch", "type") == sorted(want)
+
+
+CHECKS: dict[str, Callable[[BuiltRun], None]] = {
+    "step-of-prompt": check_step_of_prompt,
+    "steps-of-all-prompts": check_steps_of_all_prompts,
+    "prompts-trained-twice": check_prompts_trained_twice,
+    "dropped-prompts": check_dropped_prompts,
+    "vacated-slots": check_vacated_slots,
+    "live-prompts": check_live_prompts,
+    "staleness-per-step": check_staleness_per_step,
+    "reward-per-step": check_reward_per_step,
+    "step-batch": check_step_batch,
+    "group-lifecycle": check_group_lifecycle,
+    "group-events": check_group_events,
+    "recoveries": check_recoveries,
+    "abandoned-events": check_abandoned_events,
+    "history-spans": check_history_spans,
+    "events-per-type-per-epoch": check_events_per_type_per_epoch,
+}
+
+#: The questions the cookbook must answer in one query each.
+REQUIRED = {
+    "step-of-prompt",  # which step trained prompt 17
+    "dropped-prompts",  # which prompts were dropped and why
+    "staleness-per-step",
+    "step-batch",  # a step's batch
+    "group-lifecycle",  # the lifecycle of group G
+    "recoveries",  # what each restore recovered
+    "events-per-type-per-epoch",
+}
+
+
+def test_every_recipe_has_a_check() -> None:
+    names = set(recipes())
+    assert names == set(CHECKS), "each cookbook recipe needs a check here, and vice versa"
+    assert names >= REQUIRED
+
+
+@pytest.mark.parametrize("name", sorted(CHECKS))
+def test_recipe(audit_run: BuiltRun, name: str) -> None:
+    CHECKS[name](audit_run)
+
+
+def test_documented_columns_are_the_view_columns(audit_run: BuiltRun) -> None:
+    documented = documented_columns()
+    assert set(documented) == set(VIEWS)
+    for view, columns in documented.items():
+        got = audit_run.audit.select(f"SELECT * FROM {view} WHERE 1 = 0").columns
+        assert columns == got, view
