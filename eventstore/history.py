@@ -34,8 +34,15 @@ def history_segments(
     ]
     segments: list[tuple[int, int]] = []
     upto = target
-    # Walk back from the newest epoch: take the range of the epoch that wrote `upto`,
-    # then continue from that epoch's resume offset.
+    if to_seq is None and writes:
+        # The current history is the newest epoch's, even when it has written nothing
+        # yet (a restore that stopped after opening its epoch): its resume offset holds.
+        first, end, resume = writes.pop()
+        if first <= end:
+            segments.append((first, end))
+        upto = resume
+    # Walk back: take the range of the epoch that wrote `upto`, then continue from that
+    # epoch's resume offset.
     for first, end, resume in reversed(writes):
         if upto == 0:
             break

@@ -12,8 +12,8 @@ The history rule, computed in SQL by ``history_spans`` with a recursive CTE:
 
 * epoch ``e`` wrote offsets ``first_seq(e) .. first_seq(e+1) - 1`` (the newest epoch up to
   ``runs.last_seq``); the *writer* of offset ``s`` is the epoch whose range holds ``s``;
-* the history starts at the writer of ``runs.last_seq`` and takes its range up to
-  ``last_seq``; then it continues at the writer of that epoch's ``resume_seq``, up to
+* the history starts at the newest epoch and takes its range up to ``last_seq`` (empty
+  when it has written nothing yet); then it continues at the writer of its ``resume_seq``, up to
   ``resume_seq``; and so on until a ``resume_seq`` of 0.
 
 This is *not* "a row of epoch ``e`` is abandoned iff its offset exceeds the smallest
@@ -116,7 +116,8 @@ chain (run_id, epoch, first_seq, last_seq, resume_seq) AS (
     SELECT w.run_id, w.epoch, w.first_seq, r.last_seq, w.resume_seq
     FROM runs r
     JOIN ranges w
-      ON w.run_id = r.run_id AND r.last_seq BETWEEN w.first_seq AND w.end_seq
+      ON w.run_id = r.run_id
+     AND w.epoch = (SELECT MAX(e2.epoch) FROM epochs e2 WHERE e2.run_id = r.run_id)
     UNION ALL
     SELECT w.run_id, w.epoch, w.first_seq, c.resume_seq, w.resume_seq
     FROM chain c
@@ -125,7 +126,7 @@ chain (run_id, epoch, first_seq, last_seq, resume_seq) AS (
      AND c.resume_seq BETWEEN w.first_seq AND w.end_seq
      AND w.epoch < c.epoch
 )
-SELECT run_id, epoch, first_seq, last_seq FROM chain
+SELECT run_id, epoch, first_seq, last_seq FROM chain WHERE first_seq <= last_seq
 """
 
     cols = (

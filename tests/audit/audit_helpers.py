@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from controller.audit import PromptLedger
 from controller.config import RolloutConfig, StoreConfig
 from controller.domain.commands import (
     AdmitStep,
@@ -24,9 +25,10 @@ from controller.domain.commands import (
     RecordTrainStep,
     SelectBatch,
 )
-from controller.domain.state import SiblingStatus
+from controller.domain.state import RunState, SiblingStatus
 from controller.rollout import RolloutController
-from eventstore import EventStore
+from controller.sql_audit import SqlAudit
+from eventstore import EventStore, StoredEvent
 
 RUN_ID = "audit-run"
 DATASET_SIZE = 60
@@ -183,3 +185,18 @@ def build_audit_run(store: EventStore, run_id: str = RUN_ID) -> AuditRun:
     d.dispatch(step5[1])
     ctl.close()
     return out
+
+
+@dataclass
+class BuiltRun:
+    """A scripted run in a database, with everything the Python side knows about it."""
+
+    url: str
+    dialect: str
+    run: AuditRun
+    ledger: PromptLedger
+    state: RunState
+    history: list[StoredEvent]
+    all_rows: list[StoredEvent]
+    segments: list[tuple[int, int]]
+    audit: SqlAudit

@@ -11,38 +11,21 @@ from __future__ import annotations
 import sys
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
-from controller.audit import PromptLedger, build_ledger
-from controller.domain.state import RunState
+from controller.audit import build_ledger
 from controller.rollout import replay
 from controller.sql_audit import SqlAudit
-from eventstore import EventStore, StoredEvent
+from eventstore import EventStore
 
 _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
-from audit_helpers import AuditRun, build_audit_run  # noqa: E402
-
-
-@dataclass
-class BuiltRun:
-    """A scripted run in a database, with everything the Python side knows about it."""
-
-    url: str
-    dialect: str
-    run: AuditRun
-    ledger: PromptLedger
-    state: RunState
-    history: list[StoredEvent]
-    all_rows: list[StoredEvent]
-    segments: list[tuple[int, int]]
-    audit: SqlAudit
+from audit_helpers import BuiltRun, build_audit_run  # noqa: E402
 
 
 @pytest.fixture(

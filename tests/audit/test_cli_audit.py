@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from audit_helpers import BuiltRun
 from click.testing import CliRunner, Result
-from conftest import BuiltRun
 
 from controller.cli import main
 from eventstore import EventStore, migrate

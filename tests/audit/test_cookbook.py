@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import BuiltRun
+from audit_helpers import BuiltRun
 
 from controller.sql_audit import VIEWS, param_names
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from conftest import BuiltRun
+from audit_helpers import BuiltRun
 
 from controller.sql_audit import (
     AuditError,

@@ -9,7 +9,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from alembic.script import ScriptDirectory
-from conftest import BuiltRun
+from audit_helpers import BuiltRun
 
 from controller.domain import CODEC
 from controller.domain.events import GroupSelected, RunRestored
