@@ -9,6 +9,7 @@ a batch to the trainer. Snapshots are written in the background and never stop a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -204,16 +205,17 @@ class RolloutController:
             ),
         )
         ctl = cls(store, RunState(), run_id=run_id, epoch=1, store_config=store_config, clock=clock)
-        ctl.execute(
-            StartRun(
-                run_id=run_id,
-                rollout=rollout,
-                config_fingerprint=fp,
-                dataset_fingerprint=dataset_fingerprint,
-                dataset_size=dataset_size,
+        with ctl._abandon_on_error():
+            ctl.execute(
+                StartRun(
+                    run_id=run_id,
+                    rollout=rollout,
+                    config_fingerprint=fp,
+                    dataset_fingerprint=dataset_fingerprint,
+                    dataset_size=dataset_size,
+                )
             )
-        )
-        ctl.flush()
+            ctl.flush()
         return ctl
 
     @classmethod
@@ -238,8 +240,9 @@ class RolloutController:
             store_config=store_config,
             clock=clock,
         )
-        ctl.execute(Resume(epoch=epoch))
-        ctl.flush()
+        with ctl._abandon_on_error():
+            ctl.execute(Resume(epoch=epoch))
+            ctl.flush()
         return ctl
 
     @classmethod
@@ -296,16 +299,17 @@ class RolloutController:
         t3 = time.perf_counter()
         epoch = store.open_epoch(run_id, expected_epoch=info.current_epoch, resume_seq=offset)
         ctl = cls(store, state, run_id=run_id, epoch=epoch, store_config=store_config, clock=clock)
-        restored = ctl.execute(
-            Restore(from_offset=offset, epoch=epoch, mode=mode, forced=force, salvage=salvage)
-        )
-        # A run that had failed at the checkpoint stays failed: nothing is evicted.
-        evicted = (
-            ctl.execute(EvictStale(reason="recovered group stale after restore"))
-            if ctl.state.failure is None
-            else []
-        )
-        ctl.flush()
+        with ctl._abandon_on_error():
+            restored = ctl.execute(
+                Restore(from_offset=offset, epoch=epoch, mode=mode, forced=force, salvage=salvage)
+            )
+            # A run that had failed at the checkpoint stays failed: nothing is evicted.
+            evicted = (
+                ctl.execute(EvictStale(reason="recovered group stale after restore"))
+                if ctl.state.failure is None
+                else []
+            )
+            ctl.flush()
         timings["append"] = time.perf_counter() - t3
         timings["total"] = time.perf_counter() - t0
         head = restored[0][1]
@@ -414,6 +418,16 @@ class RolloutController:
         )
         self._last_snapshot = seq
         return seq
+
+    @contextlib.contextmanager
+    def _abandon_on_error(self) -> Iterator[None]:
+        """On an error while opening, stop the commit thread without flushing, re-raise."""
+        try:
+            yield
+        except BaseException:
+            self.committer.close(flush=False)
+            self._snapshots.shutdown(wait=False)
+            raise
 
     def close(self) -> None:
         """Flush, finish the pending snapshot and stop the commit thread."""

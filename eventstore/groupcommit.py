@@ -50,6 +50,9 @@ class GroupCommitter:
         self._durable = next_seq - 1
         self._error: BaseException | None = None
         self._closed = False
+        # Highest sequence someone is blocked on: the writer commits at once up to it
+        # instead of waiting out the commit window (a flush should cost one fsync).
+        self._wanted = next_seq - 1
         self._waiters: list[tuple[int, asyncio.AbstractEventLoop, asyncio.Future[int]]] = []
         #: Seconds spent in each committed transaction (for the append-latency metric).
         self.commit_seconds: list[float] = []
@@ -90,6 +93,7 @@ class GroupCommitter:
         """Block until every event submitted so far is durable; return the durable sequence."""
         with self._cv:
             target = self._next_seq - 1
+            self._wanted = max(self._wanted, target)
             self._cv.notify_all()
             ok = self._cv.wait_for(
                 lambda: self._error is not None or self._durable >= target, timeout=timeout
@@ -112,6 +116,7 @@ class GroupCommitter:
             if self._error is None:
                 fut: asyncio.Future[int] = loop.create_future()
                 self._waiters.append((target, loop, fut))
+                self._wanted = max(self._wanted, target)
                 self._cv.notify_all()
         if self._error is not None:
             raise GroupCommitClosedError(
@@ -143,9 +148,14 @@ class GroupCommitter:
                 self._cv.wait_for(lambda: self._queue or self._payloads or self._closed)
                 if not self._queue and not self._payloads and self._closed:
                     return
-                # Let the batch fill for up to one commit window (unless it is full).
+                # Let the batch fill for up to one commit window, unless it is full or
+                # someone is blocked on an event already queued.
                 deadline = time.monotonic() + self.window_s
-                while len(self._queue) < self.max_batch and not self._closed:
+                while (
+                    len(self._queue) < self.max_batch
+                    and not self._closed
+                    and self._wanted < self._queued_from
+                ):
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break

@@ -89,11 +89,36 @@ def test_close_flushes_and_refuses_more(db_url, open_store, committers) -> None:
     assert store.last_seq("r1") == 5
 
 
+class _SlowStore:
+    """Delegates to a real store, but each append takes ``delay`` seconds longer."""
+
+    def __init__(self, store: EventStore, delay: float) -> None:
+        self.store = store
+        self.delay = delay
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.store, name)
+
+    def append(self, *args: object, **kwargs: object) -> int:
+        time.sleep(self.delay)
+        return self.store.append(*args, **kwargs)  # type: ignore[arg-type]
+
+
+def test_flush_does_not_wait_out_the_commit_window(db_url, open_store, committers) -> None:
+    store = open_store(db_url)
+    store.create_run("r1")
+    gc = committers(store, window_s=5.0)
+    gc.submit(make_batch(1, 1))
+    started = time.monotonic()
+    assert gc.flush(timeout=30) == 1
+    assert time.monotonic() - started < 2.5, "flush waited for the 5 s commit window"
+
+
 def test_aflush_from_asyncio(db_url, open_store, committers) -> None:
     store = open_store(db_url)
     store.create_run("r1")
     other = open_store(db_url)
-    gc = committers(store, window_s=0.2)
+    gc = committers(_SlowStore(store, 0.2), window_s=0.0)
 
     async def main() -> tuple[int, int, int]:
         ticks = 0
@@ -227,7 +252,7 @@ def test_aflush_waiting_when_the_writer_fails(db_url, open_store, committers) ->
 def test_flush_timeout(db_url, open_store, committers) -> None:
     store = open_store(db_url)
     store.create_run("r1")
-    gc = committers(store, window_s=1.0)
+    gc = committers(_SlowStore(store, 1.0), window_s=0.0)
     gc.submit(make_batch(1, 1))
     with pytest.raises(TimeoutError):
         gc.flush(timeout=0.05)
