@@ -162,10 +162,19 @@ class MemoryEventStore:
             for i, ev in enumerate(batch):
                 run.events.append(
                     StoredEvent(
-                        run_id, expected_seq + i, epoch, ev.type, ev.schema_version, ev.payload,
-                        ev.recorded_at.astimezone(UTC), ev.train_step, ev.weight_version,
-                        ev.group_id, ev.prompt_index, ev.target_step,
-                    )  # fmt: skip
+                        run_id,
+                        expected_seq + i,
+                        epoch,
+                        ev.type,
+                        ev.schema_version,
+                        ev.payload,
+                        ev.recorded_at.astimezone(UTC),
+                        ev.train_step,
+                        ev.weight_version,
+                        ev.group_id,
+                        ev.prompt_index,
+                        ev.target_step,
+                    )
                 )
             last = expected_seq + len(batch) - 1 if batch else info.last_seq
             run.info = RunInfo(

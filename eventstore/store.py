@@ -73,9 +73,10 @@ def normalise_url(url: str | URL) -> URL:
         ) from exc
     backend = parsed.get_backend_name()
     if backend == "postgresql":
-        if parsed.get_driver_name() not in ("psycopg", "psycopg2"):
-            parsed = parsed.set(drivername="postgresql+psycopg")
-        elif parsed.get_driver_name() == "psycopg2":
+        if (
+            parsed.get_driver_name() not in ("psycopg", "psycopg2")
+            or parsed.get_driver_name() == "psycopg2"
+        ):
             parsed = parsed.set(drivername="postgresql+psycopg")
     elif backend == "sqlite":
         if parsed.get_driver_name() != "pysqlite":
@@ -445,9 +446,19 @@ class EventStore:
             # Columns come in StoredEvent's field order (see _READ_COLS).
             for run, seq, epoch, type_, version, payload, ts, step, wv, gid, pidx, tstep in rows:
                 yield StoredEvent(
-                    run, seq, epoch, type_, version, payload, parse_ts(ts), step, wv, gid, pidx,
+                    run,
+                    seq,
+                    epoch,
+                    type_,
+                    version,
+                    payload,
+                    parse_ts(ts),
+                    step,
+                    wv,
+                    gid,
+                    pidx,
                     tstep,
-                )  # fmt: skip
+                )
             if len(rows) < page_size:
                 return
             nxt = rows[-1][1] + 1
@@ -505,7 +516,7 @@ class EventStore:
                 r.group_id,
                 r.prompt_index,
                 r.target_step,
-            )  # fmt: skip
+            )
             for r in rows
         ]
 
@@ -653,9 +664,12 @@ def _make_sqlite_engine(url: URL, *, readonly: bool) -> Engine:
         # isolation_level=None: we issue BEGIN ourselves (via SQLAlchemy's events below),
         # so BEGIN IMMEDIATE takes the write lock up front and busy_timeout applies.
         return sqlite3.connect(
-            db_arg, uri=readonly, check_same_thread=False, isolation_level=None,
+            db_arg,
+            uri=readonly,
+            check_same_thread=False,
+            isolation_level=None,
             timeout=busy_ms / 1000,
-        )  # fmt: skip
+        )
 
     engine = sa.create_engine(f"sqlite:///{path}", creator=creator)
 

@@ -195,5 +195,6 @@ def run(config: Path, run_id: str | None, resume: bool, as_json: bool) -> None:
         raise
     if not as_json:
         click.echo(
-            f"run {rid}: trained steps {result.first_step}..{result.first_step + result.steps_trained - 1}"
+            f"run {rid}: trained steps {result.first_step}.."
+            f"{result.first_step + result.steps_trained - 1}"
         )

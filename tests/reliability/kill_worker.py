@@ -14,12 +14,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from reliability_harness import WEIGHTS, Prompts, backend, rollout_config  # noqa: E402
+from reliability_harness import WEIGHTS, Prompts, backend, rollout_config
 
-from controller.config import StoreConfig  # noqa: E402
-from controller.rollout import RolloutController  # noqa: E402
-from controller.runtime import GenerationConfig, RolloutRuntime  # noqa: E402
-from eventstore import EpochFencedError, EventStore  # noqa: E402
+from controller.config import StoreConfig
+from controller.rollout import RolloutController
+from controller.runtime import GenerationConfig, RolloutRuntime
+from eventstore import EpochFencedError, EventStore
 
 
 class BigPrompts(Prompts):
@@ -58,9 +58,7 @@ async def main(url: str, run_id: str, mode: str, steps: int) -> int:
     elif mode == "open":
         ctl = RolloutController.open(store, run_id, store_config=cfg)
     else:
-        offset = max(
-            r.seq for r in store.read_history(run_id) if r.type == "CheckpointMarked"
-        )
+        offset = max(r.seq for r in store.read_history(run_id) if r.type == "CheckpointMarked")
         ctl, _report = RolloutController.restore(store, run_id, offset, store_config=cfg)
     runtime = RolloutRuntime(ctl, backend(), BigPrompts(), GenerationConfig(max_tokens=4))
     await runtime.start()

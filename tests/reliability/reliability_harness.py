@@ -105,9 +105,16 @@ def copy_prefix(source: Any, run_id: str, k: int) -> MemoryEventStore:
     )
     rows = [
         NewEvent(
-            r.type, r.schema_version, r.payload, r.recorded_at, r.train_step, r.weight_version,
-            r.group_id, r.prompt_index, r.target_step,
-        )  # fmt: skip
+            r.type,
+            r.schema_version,
+            r.payload,
+            r.recorded_at,
+            r.train_step,
+            r.weight_version,
+            r.group_id,
+            r.prompt_index,
+            r.target_step,
+        )
         for r in source.read(run_id, 1, k)
     ]
     target.append(run_id, rows, expected_seq=1, epoch=1)

@@ -7,11 +7,10 @@ from __future__ import annotations
 import os
 
 import pytest
+from reliability_harness import copy_prefix, drive, exactly_once, newest_checkpoint, run, start
 
 from controller.rollout import RolloutController
 from eventstore import MemoryEventStore
-
-from reliability_harness import copy_prefix, drive, exactly_once, newest_checkpoint, run, start
 
 STEPS = 10
 
