@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +31,8 @@ from .audit import build_ledger, cross_check
 from .domain.invariants import find_violations
 from .rollout import replay
 from .run_config import RunConfig
+
+_ERROR_LINE = re.compile(r"\b[A-Z]\w*(?:Error|Exception): \S.*$")
 
 
 class DemoError(RuntimeError):
@@ -44,6 +48,16 @@ class WorkerOutcome:
     returncode: int | None = None
 
 
+def _root_cause(stderr: str) -> str | None:
+    """The first ``SomethingError: message`` line of a worker's stderr (vLLM's engine
+    processes log the real cause there and raise a generic error afterwards)."""
+    for line in stderr.splitlines():
+        m = _ERROR_LINE.search(line)
+        if m and "See root cause above" not in line:
+            return m.group(0).strip()
+    return None
+
+
 def _run_worker(
     cfg: RunConfig,
     run_id: str,
@@ -53,41 +67,47 @@ def _run_worker(
     on_message: Callable[[dict[str, Any]], None],
 ) -> WorkerOutcome:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "controller.demo_worker", cfg.model_dump_json(), run_id, mode],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    out = WorkerOutcome()
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        line = line.strip()
-        if not line.startswith("{"):
-            continue
-        msg = json.loads(line)
-        out.messages.append(msg)
-        on_message(msg)
-        if (
-            kill_after_step is not None
-            and msg.get("event") == "step"
-            and msg["step"] >= kill_after_step
-        ):
-            # A real crash: no cleanup, no flush, generation still in flight.
-            os.kill(proc.pid, signal.SIGKILL)
-            out.killed = True
-            break
-    proc.wait()
-    out.returncode = proc.returncode
-    if not out.killed and proc.returncode != 0:
-        err = proc.stderr.read() if proc.stderr else ""
-        last = next((m for m in reversed(out.messages) if m.get("event") == "error"), None)
-        detail = last["error"] if last else err.strip().splitlines()[-1:] or ["(no output)"]
-        raise DemoError(f"the {mode} worker failed (exit {proc.returncode}): {detail}")
-    if proc.stderr:
-        proc.stderr.close()
-    proc.stdout.close()
+    # stderr goes to a file, not a pipe: a chatty worker (vLLM logs a lot) would fill a
+    # pipe nobody reads until the end and block forever.
+    with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as errfile:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "controller.demo_worker", cfg.model_dump_json(), run_id, mode],
+            stdout=subprocess.PIPE,
+            stderr=errfile,
+            text=True,
+            env=env,
+        )
+        out = WorkerOutcome()
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.strip()
+            if not line.startswith("{"):
+                continue
+            msg = json.loads(line)
+            out.messages.append(msg)
+            on_message(msg)
+            if (
+                kill_after_step is not None
+                and msg.get("event") == "step"
+                and msg["step"] >= kill_after_step
+            ):
+                # A real crash: no cleanup, no flush, generation still in flight.
+                os.kill(proc.pid, signal.SIGKILL)
+                out.killed = True
+                break
+        proc.wait()
+        proc.stdout.close()
+        out.returncode = proc.returncode
+        if not out.killed and proc.returncode != 0:
+            errfile.seek(0)
+            err = errfile.read()
+            last = next((m for m in reversed(out.messages) if m.get("event") == "error"), None)
+            tail = err.strip().splitlines()[-1:] or ["(no output)"]
+            detail = last["error"] if last else tail[0]
+            cause = _root_cause(err)
+            if cause and cause not in detail:
+                detail += f" (root cause: {cause})"
+            raise DemoError(f"the {mode} worker failed (exit {proc.returncode}): {detail}")
     return out
 
 

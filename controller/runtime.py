@@ -460,8 +460,13 @@ class RolloutRuntime:
     async def publish_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int
     ) -> None:
-        """Load new weights into the backend, record the publish, abort stale work."""
+        """Load new weights into the backend, record the publish, abort stale work.
+
+        Output commit: the train step behind these weights is durable before generation
+        sees them.
+        """
         self._raise_if_failed()
+        await self.controller.aflush()
         await self.backend.update_weights(named_tensors, weight_version)
         applied = self.controller.execute(PublishWeights(weight_version))
         await self._abort_in_backend([ev for _, ev in applied])

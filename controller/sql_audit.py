@@ -267,7 +267,7 @@ _EVENT_COLS = (
     "weight_version, payload"
 )
 
-Q_PROMPT = f"""
+Q_PROMPT_VIEW = f"""
 SELECT {_EVENT_COLS}
 FROM history_events
 WHERE run_id = :run_id
@@ -281,6 +281,88 @@ WHERE run_id = :run_id
 ORDER BY seq
 """
 
+# The canned lookups below drive from the events indexes (prompt, group, type + step) and
+# keep only rows of the current history (the run's few history_spans), instead of
+# filtering the history_events view, which joins every history row before filtering
+# (docs/benchmarks.md, "Scale": seconds at 10M events; these take < 1 ms). They rely
+# on the store's train_step column of GroupSelected, BatchSelected and StepTrained
+# rows being the step in their payload (the decider only accepts those for the next
+# train step, and the controller stamps each row with the step before applying it).
+_H = "h AS (SELECT first_seq, last_seq FROM history_spans WHERE run_id = :run_id)"
+
+
+def _in_history(alias: str) -> str:
+    return f"EXISTS (SELECT 1 FROM h WHERE {alias}.seq BETWEEN h.first_seq AND h.last_seq)"
+
+
+_EV_COLS = ", ".join("ev." + c.strip() for c in _EVENT_COLS.split(","))
+
+Q_PROMPT = f"""
+WITH {_H},
+mine AS (
+    SELECT ev.seq, ev.group_id, ev.type, ev.train_step FROM events ev
+    WHERE ev.run_id = :run_id AND ev.prompt_index = :prompt_index AND {_in_history("ev")}
+),
+cand AS (
+    SELECT seq FROM mine
+    UNION
+    SELECT ev.seq FROM events ev
+    WHERE ev.run_id = :run_id AND ev.group_id IN (SELECT group_id FROM mine)
+    UNION
+    SELECT ev.seq FROM events ev
+    WHERE ev.run_id = :run_id AND ev.type IN ('BatchSelected', 'StepTrained')
+      AND ev.train_step IN (SELECT train_step FROM mine WHERE type = 'GroupSelected')
+)
+SELECT {_EV_COLS}
+FROM cand c JOIN events ev ON ev.run_id = :run_id AND ev.seq = c.seq
+WHERE {_in_history("ev")}
+ORDER BY ev.seq
+"""
+
+
+def _json_int(dialect: str, field: str, col: str = "ev.payload") -> str:
+    """An integer field of a JSON-text column, typed as the audit views type it."""
+    if dialect == "postgresql":
+        return f"(({col})::jsonb ->> '{field}')::bigint"
+    return f"json_extract({col}, '$.{field}')"
+
+
+def _sql_bool(expr: str) -> str:
+    return f"CASE WHEN {expr} THEN TRUE WHEN NOT ({expr}) THEN FALSE END"
+
+
+def step_query(dialect: str) -> str:
+    """The step_batches rows of one step (``:run_id``, ``:train_step``) by index lookups.
+
+    Returns exactly what :data:`Q_STEP_VIEW` returns (same columns, values and types).
+    ``s`` is MATERIALIZED so the planner cannot trade the (type, step) index for the
+    group index to skip the ORDER BY (a scan of the run on SQLite).
+    """
+    ts = _json_int(dialect, "train_step")
+    return f"""
+WITH {_H},
+s AS MATERIALIZED (
+    SELECT ev.seq, ev.recorded_at, ev.group_id, ev.prompt_index, ev.target_step,
+           {ts} AS train_step, {_json_int(dialect, "staleness")} AS staleness
+    FROM events ev
+    WHERE ev.run_id = :run_id AND ev.type = 'GroupSelected' AND ev.train_step = :train_step
+      AND {ts} = :train_step AND {_in_history("ev")}
+),
+t AS (
+    SELECT ev.recorded_at, {_json_int(dialect, "weight_version")} AS weight_version
+    FROM events ev
+    WHERE ev.run_id = :run_id AND ev.type = 'StepTrained' AND ev.train_step = :train_step
+      AND {ts} = :train_step AND {_in_history("ev")}
+),
+tt AS (SELECT MIN(recorded_at) AS trained_at, MIN(weight_version) AS weight_version FROM t)
+SELECT s.train_step, s.group_id, s.prompt_index, s.target_step, s.staleness,
+       s.seq AS selected_seq, {_sql_bool("tt.trained_at IS NOT NULL")} AS trained,
+       tt.trained_at, tt.weight_version
+FROM s CROSS JOIN tt
+ORDER BY s.group_id
+"""
+
+
 Q_GROUP = f"""
 SELECT {_EVENT_COLS}
 FROM history_events
@@ -293,7 +375,8 @@ WHERE run_id = :run_id
 ORDER BY seq
 """
 
-Q_STEP = """
+#: The step query over the step_batches view (see :func:`step_query`).
+Q_STEP_VIEW = """
 SELECT train_step, group_id, prompt_index, target_step, staleness, selected_seq, trained,
        trained_at, weight_version
 FROM step_batches
@@ -408,7 +491,7 @@ class SqlAudit:
 
     def step_batch(self, run_id: str, train_step: int) -> QueryResult:
         """The groups selected for ``train_step`` with their staleness."""
-        return self.select(Q_STEP, {"run_id": run_id, "train_step": train_step})
+        return self.select(step_query(self.dialect), {"run_id": run_id, "train_step": train_step})
 
     def dropped(self, run_id: str) -> QueryResult:
         """Prompts that left the run untrained (dropped or evicted), why, and their slot."""

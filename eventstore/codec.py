@@ -151,3 +151,8 @@ class EventCodec:
             raise CorruptEventError(row.seq, row.type, f"{where}: {first['msg']}") from exc
         except json.JSONDecodeError as exc:
             raise CorruptEventError(row.seq, row.type, f"invalid JSON: {exc}") from exc
+        except RecursionError as exc:
+            # json.loads (the upcasting path) recurses once per nesting level.
+            raise CorruptEventError(
+                row.seq, row.type, "payload nests too deeply to decode (invalid JSON)"
+            ) from exc

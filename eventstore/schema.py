@@ -65,6 +65,8 @@ Index("ix_events_run_group", events.c.run_id, events.c.group_id)
 Index("ix_events_run_prompt", events.c.run_id, events.c.prompt_index)
 Index("ix_events_run_train_step", events.c.run_id, events.c.train_step)
 Index("ix_events_run_target_step", events.c.run_id, events.c.target_step)
+# "The batch of step t" / "steps a prompt was selected for": index lookups (0003).
+Index("ix_events_run_type_step", events.c.run_id, events.c.type, events.c.train_step)
 
 epochs = Table(
     "epochs",
@@ -99,4 +101,21 @@ snapshots = Table(
     Column("created_at", DateTime(timezone=True), nullable=False),
     Column("data", LargeBinary, nullable=False),
     PrimaryKeyConstraint("run_id", "seq", name="pk_snapshots"),
+)
+
+# One row per compaction of a run (revision 0003; see eventstore/compaction.py): events
+# 1..upto_seq were removed and the snapshot at snapshot_seq became the run's base.
+compactions = Table(
+    "compactions",
+    metadata,
+    Column("run_id", String(128), nullable=False),
+    Column("upto_seq", BigInteger, nullable=False),
+    Column("snapshot_seq", BigInteger, nullable=False),
+    Column("compacted_at", DateTime(timezone=True), nullable=False),
+    Column("events_removed", BigInteger, nullable=False),
+    Column("snapshots_removed", BigInteger, nullable=False),
+    Column("payloads_removed", BigInteger, nullable=False),
+    # The JSONL file the removed rows were exported to (NULL: not exported).
+    Column("archive", Text, nullable=True),
+    PrimaryKeyConstraint("run_id", "upto_seq", name="pk_compactions"),
 )

@@ -81,7 +81,12 @@ async def _rollout(store: Any, groups: int, groups_per_step: int, latency: float
 
 
 def run_durability_bench(
-    *, groups: int = 10_000, groups_per_step: int = 64, latency: float = 0.0, repeats: int = 3
+    *,
+    groups: int = 10_000,
+    groups_per_step: int = 64,
+    latency: float = 0.0,
+    repeats: int = 3,
+    synchronous: str = "FULL",
 ) -> dict[str, Any]:
     """Median wall time of the rollout on SQLite and in memory, and their ratio."""
     sqlite_times: list[float] = []
@@ -91,7 +96,7 @@ def run_durability_bench(
             asyncio.run(_rollout(MemoryEventStore(), groups, groups_per_step, latency))
         )
         with tempfile.TemporaryDirectory() as tmp:
-            store = EventStore.open(f"sqlite:///{Path(tmp) / 'bench.db'}")
+            store = EventStore.open(f"sqlite:///{Path(tmp) / 'bench.db'}?synchronous={synchronous}")
             try:
                 sqlite_times.append(asyncio.run(_rollout(store, groups, groups_per_step, latency)))
                 events = store.last_seq("bench")
@@ -102,6 +107,7 @@ def run_durability_bench(
         "groups": groups,
         "groups_per_step": groups_per_step,
         "backend_latency_s": latency,
+        "sqlite_synchronous": synchronous,
         "events": events,
         "sqlite_seconds": sq,
         "memory_seconds": mem,

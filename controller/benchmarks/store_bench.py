@@ -790,6 +790,7 @@ def run_scale_benchmark(
     window: int = 100_000,
     batch: int = 1_000,
     repeat: int = 3,
+    slices: int = 10,
     db_dir: Path | None = None,
     keep_files: bool = False,
     progress: _ProgressFn | None = None,
@@ -799,15 +800,16 @@ def run_scale_benchmark(
     Every log is first filled with N events through ``EventStore.append`` (the same path,
     batch size and events as the measurement; the rate of every 100k-event chunk of the
     fill is reported too). Then, ``repeat`` rounds: in each round the next ``window``
-    events are encoded and appended to every log in turn, so the sizes are measured
-    side by side, under the same load (round r starts at N + r * window events). The
-    best round of each size counts; every round is reported. The ratio
+    events are encoded and appended to every log, in ``slices`` slices that alternate
+    between the logs, so all sizes are measured side by side under the same load (round
+    r starts at N + r * window events). The best round of each size counts; every round
+    is reported. The ratio
     ``append_<largest>_vs_<smallest>`` is the largest size's rate over the smallest's,
     ``paired_ratios`` the same ratio round by round.
     """
     sizes = sorted(set(sizes))
-    if not sizes or sizes[0] < 0 or window < 1 or batch < 1 or repeat < 1:
-        raise ValueError("sizes must be >= 0; window, batch and repeat >= 1")
+    if not sizes or sizes[0] < 0 or min(window, batch, repeat, slices) < 1:
+        raise ValueError("sizes must be >= 0; window, batch, repeat and slices >= 1")
     say = progress or (lambda _msg: None)
     codec = make_codec()
     load_before = _load_average()
@@ -839,18 +841,26 @@ def run_scale_benchmark(
                     "fill_chunk_events": chunk,
                     "fill_eps_by_chunk": rates,
                 }
+            step = max(batch, window // slices // batch * batch)
             for r in range(repeat):
-                for label, n in zip(labels, sizes, strict=True):
-                    first = n + r * window
-                    part = [spec(i) for i in range(first, first + window)]
-                    models = [rolloutlog_event(s) for s in part]
-                    say(f"round {r + 1}/{repeat}: {window:,} appends into the log of {label}")
-                    with _Stopwatch() as clock:
-                        last = _append_batches(
-                            stores[label], codec, models, part, batch=batch, first_seq=first + 1
-                        )
-                    clocks[label].append(clock)
-                    _check("scale", f"last sequence {last}", last == first + window)
+                say(f"round {r + 1}/{repeat}: {window:,} appends into each log, interleaved")
+                spent = {label: _Stopwatch() for label in labels}
+                for offset in range(0, window, step):
+                    for label, n in zip(labels, sizes, strict=True):
+                        first = n + r * window + offset
+                        count = min(step, window - offset)
+                        part = [spec(i) for i in range(first, first + count)]
+                        models = [rolloutlog_event(s) for s in part]
+                        with _Stopwatch() as clock:
+                            last = _append_batches(
+                                stores[label], codec, models, part, batch=batch,
+                                first_seq=first + 1,
+                            )  # fmt: skip
+                        spent[label].wall += clock.wall
+                        spent[label].cpu += clock.cpu
+                        _check("scale", f"last sequence {last}", last == first + count)
+                for label in labels:
+                    clocks[label].append(spent[label])
             for label, n in zip(labels, sizes, strict=True):
                 stored = stores[label].last_seq(RUN_ID)
                 _check("scale", f"log of {label} holds {stored}", stored == n + repeat * window)
@@ -891,6 +901,7 @@ def run_scale_benchmark(
         "window": window,
         "batch": batch,
         "repeat": repeat,
+        "slices": slices,
         "synchronous": DEFAULT_SQLITE_SYNCHRONOUS,
         "journal_mode": "wal",
         "machine": machine_info(),

@@ -17,6 +17,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "serve-metrics": ("controller.cli.metrics", "serve_metrics"),
     "audit": ("controller.cli.audit", "audit"),
     "replay": ("controller.cli.replay", "replay"),
+    "compact": ("controller.cli.compact", "compact"),
 }
 
 

@@ -50,6 +50,12 @@ def _sizes(text: str) -> list[int]:
     help="Log sizes N for --scale (comma-separated).",
 )
 @click.option("--scale-window", default=100_000, show_default=True, help="Appends measured.")
+@click.option(
+    "--scale-slices",
+    default=10,
+    show_default=True,
+    help="The window is appended in this many slices alternating between the logs.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def store(
     events: int,
@@ -61,6 +67,7 @@ def store(
     scale: bool,
     scale_sizes: str,
     scale_window: int,
+    scale_slices: int,
     as_json: bool,
 ) -> None:
     """Event store throughput against raw sqlite3 and the eventsourcing library.
@@ -80,7 +87,7 @@ def store(
         if scale:
             result = store_bench.run_scale_benchmark(
                 sizes=_sizes(scale_sizes), window=scale_window, batch=batch, repeat=repeat,
-                db_dir=db_dir, keep_files=keep_files, progress=progress,
+                slices=scale_slices, db_dir=db_dir, keep_files=keep_files, progress=progress,
             )  # fmt: skip
         else:
             result = store_bench.run_store_benchmark(
@@ -105,3 +112,7 @@ bench.add_command(durability)
 from .bench_domain import domain  # noqa: E402
 
 bench.add_command(domain)
+
+from .bench_scale import scale  # noqa: E402
+
+bench.add_command(scale)

@@ -20,6 +20,13 @@ from rich.table import Table
     help="Seconds the test backend spends per request (0: pure bookkeeping, the worst case).",
 )
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1))
+@click.option(
+    "--synchronous",
+    type=click.Choice(["FULL", "NORMAL"]),
+    default="FULL",
+    show_default=True,
+    help="SQLite synchronous level of the log (FULL is rolloutlog's default).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def durability(
     groups: int, groups_per_step: int, latency: float, repeats: int, as_json: bool
@@ -28,7 +35,11 @@ def durability(
     from ..benchmarks.durability_bench import run_durability_bench
 
     result = run_durability_bench(
-        groups=groups, groups_per_step=groups_per_step, latency=latency, repeats=repeats
+        groups=groups,
+        groups_per_step=groups_per_step,
+        latency=latency,
+        repeats=repeats,
+        synchronous=synchronous,
     )
     if as_json:
         click.echo(json.dumps(result))

@@ -188,9 +188,12 @@ def run(config: Path, run_id: str | None, resume: bool, as_json: bool) -> None:
     except Exception as exc:
         from eventstore import StoreError
 
+        from ..backends.base import BackendError
         from ..domain.errors import DomainError
 
-        if isinstance(exc, StoreError | DomainError):
+        # A log, domain or backend error (e.g. an unreachable backend) is the user's to
+        # fix: one clear line, no traceback. The run is restorable from its log.
+        if isinstance(exc, StoreError | DomainError | BackendError):
             raise click.ClickException(str(exc)) from exc
         raise
     if not as_json:

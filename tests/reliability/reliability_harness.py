@@ -161,3 +161,81 @@ def exactly_once(store: Any, run_id: str) -> dict[str, Any]:
 def run(coro: Any) -> Any:
     """asyncio.run, for sync tests."""
     return asyncio.run(coro)
+
+
+# ---------------------------------------------------------------- live worker processes
+
+
+KILL_WORKER = __import__("pathlib").Path(__file__).with_name("kill_worker.py")
+
+
+class Worker:
+    """A ``kill_worker.py`` process whose stdout lines are collected by a reader thread."""
+
+    def __init__(self, url: str, run_id: str, mode: str, steps: int) -> None:
+        import subprocess
+        import sys
+        import threading
+
+        self.mode = mode
+        self.proc = subprocess.Popen(
+            [sys.executable, str(KILL_WORKER), url, run_id, mode, str(steps)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self.stderr = ""
+        self._cond = threading.Condition()
+        self._out = threading.Thread(target=self._pump_out, daemon=True)
+        self._err = threading.Thread(target=self._pump_err, daemon=True)
+        self._out.start()
+        self._err.start()
+
+    def _pump_out(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    def _pump_err(self) -> None:
+        assert self.proc.stderr is not None
+        self.stderr = self.proc.stderr.read()
+
+    def wait_for(self, prefix: str, timeout: float = 60.0, count: int = 1) -> str:
+        """Block until ``count`` lines starting with ``prefix`` were printed; return the last."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                hits = [x for x in self.lines if x.startswith(prefix)]
+                if len(hits) >= count:
+                    return hits[count - 1]
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.proc.poll() is not None and not self._out.is_alive()):
+                    raise AssertionError(
+                        f"{self.mode} worker: no {prefix!r} line (rc={self.proc.poll()}); "
+                        f"stdout tail {self.lines[-5:]}, stderr tail {self.stderr[-2000:]!r}"
+                    )
+                self._cond.wait(min(left, 0.2))
+
+    def finish(self, timeout: float = 90.0) -> int:
+        """Wait for the process to exit; return its status."""
+        rc = self.proc.wait(timeout=timeout)
+        self._out.join(timeout=10)
+        self._err.join(timeout=10)
+        return rc
+
+    def acks(self) -> list[int]:
+        """Every offset the process reported durable."""
+        return [int(x.split()[1]) for x in self.lines if x.startswith("ACK")]
+
+    def kill(self) -> None:
+        """SIGKILL the process if it still runs (test cleanup)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.finish()

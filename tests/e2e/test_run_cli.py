@@ -1,0 +1,159 @@
+"""``rolloutlog run CONFIG`` on a copy of ``configs/sqlite-torch.yaml`` (fewer steps, tmp
+paths), ``--resume --run-id`` from the newest model checkpoint, and bad configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from controller import grpo_loop
+from controller.audit import build_ledger, cross_check
+from controller.backends.base import BackendUnavailableError
+from controller.backends.testing import DeterministicBackend
+from controller.cli import main
+from controller.replay_tool import check_history
+from controller.rollout import replay
+from eventstore import EventStore
+
+from .conftest import REPO, json_lines, rolloutlog
+
+
+def _config(tmp_path: Path, name: str = "sqlite-torch.yaml", **over: Any) -> Path:
+    cfg = yaml.safe_load((REPO / "configs" / name).read_text())
+    cfg["checkpoint_dir"] = str(tmp_path / "checkpoints")
+    cfg["model"]["dir"] = str(tmp_path / "tiny-model")
+    if cfg["store"]["url"].startswith("sqlite"):
+        cfg["store"]["url"] = f"sqlite:///{tmp_path / 'log.db'}"
+    cfg.update(over)
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_shipped_configs_are_valid() -> None:
+    from controller.run_config import load_run_config
+
+    names = {p.name for p in (REPO / "configs").glob("*.yaml")}
+    assert {"sqlite-torch.yaml", "sqlite-vllm.yaml", "postgres.yaml"} <= names
+    kinds = {load_run_config(REPO / "configs" / n).backend for n in names}
+    assert {"torch", "vllm"} <= kinds
+    assert load_run_config(REPO / "configs" / "postgres.yaml").store.url.startswith("postgresql")
+
+
+@pytest.mark.slow
+def test_run_then_resume_from_newest_checkpoint(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, steps=4, checkpoint_every=2)
+    first = rolloutlog("run", str(cfg), "--run-id", "r1", "--json", timeout=240)
+    assert first.returncode == 0, first.stderr[-3000:]
+    steps = [m for m in json_lines(first.stdout) if m.get("event") == "step"]
+    assert [m["step"] for m in steps] == [0, 1, 2, 3]
+    last_ckpt = steps[-1]["checkpoint"]
+    assert Path(last_ckpt["path"]).name == "step-000004.pt"
+
+    # More steps on resume: the run continues at step 4 from the newest checkpoint.
+    cfg = _config(tmp_path, steps=6, checkpoint_every=2)
+    second = rolloutlog("run", str(cfg), "--resume", "--run-id", "r1", "--json", timeout=240)
+    assert second.returncode == 0, second.stderr[-3000:]
+    msgs = json_lines(second.stdout)
+    restored = next(m for m in msgs if m.get("event") == "restored")
+    assert restored["from_offset"] == last_ckpt["offset"]
+    assert restored["checkpoint"] == last_ckpt["path"]
+    assert [m["step"] for m in msgs if m.get("event") == "step"] == [4, 5]
+
+    store = EventStore.open(f"sqlite:///{tmp_path / 'log.db'}")
+    try:
+        assert check_history(store, "r1").violation is None
+        ledger = build_ledger(store, "r1")
+        check = cross_check(ledger, replay(store, "r1").state)
+        assert sorted(ledger.step_rewards) == list(range(6))
+        assert check.prompts_lost == 0
+        assert check.prompts_trained_twice == 0
+    finally:
+        store.close()
+
+
+def _cli(*args: str) -> Any:
+    """``rolloutlog ARGS`` in-process (fast: the error paths need no subprocess)."""
+    return CliRunner().invoke(main, list(args))
+
+
+def test_resume_without_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, steps=2)
+    res = _cli("run", str(cfg), "--resume", "--run-id", "nope")
+    assert res.exit_code == 1, res.output
+    assert "Error:" in res.output
+    assert "'nope' has no model checkpoint" in res.output
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        ("steps", 0, "steps"),
+        ("checkpoint_every", "often", "checkpoint_every"),
+        ("backend", "tensorrt", "backend"),
+        ("no_such_knob", 1, "no_such_knob"),
+    ],
+)
+def test_bad_config_exits_nonzero_naming_the_field(
+    tmp_path: Path, field: str, value: Any, named: str
+) -> None:
+    cfg = _config(tmp_path, **{field: value})
+    res = _cli("run", str(cfg))
+    assert res.exit_code == 1, res.output
+    assert named in res.output
+    assert not (tmp_path / "log.db").exists()  # nothing was started
+
+
+def test_bad_config_as_a_real_process(tmp_path: Path) -> None:
+    proc = rolloutlog("run", str(_config(tmp_path, steps=-3)), timeout=120)
+    assert proc.returncode == 1
+    assert "steps" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_bad_nested_config_names_the_dotted_field(tmp_path: Path) -> None:
+    path = _config(tmp_path)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["rollout"]["group_size"] = -1
+    path.write_text(yaml.safe_dump(cfg))
+    res = _cli("run", str(path))
+    assert res.exit_code == 1, res.output
+    assert "rollout.group_size" in res.output
+
+
+class _Unreachable(DeterministicBackend):
+    """A backend whose server cannot be reached."""
+
+    async def start(self) -> None:
+        raise BackendUnavailableError("cannot reach the generation server at 127.0.0.1:1")
+
+
+@pytest.mark.slow
+def test_unreachable_backend_is_a_clear_error_and_the_run_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = _config(tmp_path, steps=2, checkpoint_every=2)
+    assert _cli("run", str(cfg), "--run-id", "u").exit_code == 0
+    cfg = _config(tmp_path, steps=3, checkpoint_every=2)
+    real = grpo_loop.make_backend
+    monkeypatch.setattr(grpo_loop, "make_backend", lambda *a, **k: _Unreachable(vocab_size=64))
+    res = _cli("run", str(cfg), "--resume", "--run-id", "u")
+    assert res.exit_code == 1, res.output
+    assert "Error: cannot reach the generation server" in res.output
+    monkeypatch.setattr(grpo_loop, "make_backend", real)
+    res = _cli("run", str(cfg), "--resume", "--run-id", "u", "--json")
+    assert res.exit_code == 0, res.output
+    assert [m["step"] for m in json_lines(res.output) if m.get("event") == "step"] == [2]
+    store = EventStore.open(f"sqlite:///{tmp_path / 'log.db'}")
+    try:
+        assert check_history(store, "u").violation is None
+        ledger = build_ledger(store, "u")
+        check = cross_check(ledger, replay(store, "u").state)
+        assert sorted(ledger.step_rewards) == [0, 1, 2]
+        assert check.prompts_lost == 0 and check.prompts_trained_twice == 0
+    finally:
+        store.close()
