@@ -29,7 +29,12 @@ from rich.table import Table
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def durability(
-    groups: int, groups_per_step: int, latency: float, repeats: int, as_json: bool
+    groups: int,
+    groups_per_step: int,
+    latency: float,
+    repeats: int,
+    synchronous: str,
+    as_json: bool,
 ) -> None:
     """Durability overhead of a synthetic rollout: SQLite log vs in-memory store."""
     from ..benchmarks.durability_bench import run_durability_bench
