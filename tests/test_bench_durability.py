@@ -1,0 +1,24 @@
+"""`rolloutlog bench durability` at a tiny size: the JSON shape and the same work on both logs."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from controller.cli import main
+
+
+def test_durability_bench_json() -> None:
+    result = CliRunner().invoke(
+        main, ["bench", "durability", "--groups", "128", "--groups-per-step", "16",
+               "--repeats", "1", "--json"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["groups"] == 128
+    assert data["events"] > 128 * 4  # dispatch + completion per sibling at least
+    assert data["sqlite_seconds"] > 0 and data["memory_seconds"] > 0
+    ratio = data["ratios"]["durability_overhead"]
+    assert ratio == data["sqlite_seconds"] / data["memory_seconds"]
+    assert data["sqlite_synchronous"] == "FULL"
