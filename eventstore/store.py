@@ -491,37 +491,31 @@ class EventStore:
         target_step: int | None = None,
     ) -> list[StoredEvent]:
         """Events of one group / prompt / step, through the audit indexes, in order."""
-        conds = [events.c.run_id == run_id]
+        mark = "?" if self._is_sqlite else "%s"
+        conds = [f"run_id = {mark}"]
+        params: list[Any] = [run_id]
         for col, val in (
-            (events.c.group_id, group_id),
-            (events.c.prompt_index, prompt_index),
-            (events.c.train_step, train_step),
-            (events.c.target_step, target_step),
+            ("group_id", group_id),
+            ("prompt_index", prompt_index),
+            ("train_step", train_step),
+            ("target_step", target_step),
         ):
             if val is not None:
-                conds.append(col == val)
+                conds.append(f"{col} = {mark}")
+                params.append(val)
+        # No ORDER BY: with one, SQLite's planner (no statistics) walks the primary key
+        # (run_id, seq) to skip a sort, i.e. scans the whole run, instead of seeking the
+        # audit index; the rows found are sorted here instead. Plain driver tuples, as in
+        # read(): a step's lookup returns thousands of rows.
+        sql = f"SELECT {_READ_COLS} FROM events WHERE {' AND '.join(conds)}"
         with self._translate_errors(f"querying run {run_id!r}"), self.engine.connect() as conn:
-            # No ORDER BY: with one, SQLite's planner (no statistics) walks the primary key
-            # (run_id, seq) to skip a sort, i.e. scans the whole run, instead of seeking the
-            # audit index; the few rows found are sorted here instead.
-            rows = conn.execute(sa.select(events).where(*conds)).all()
-        rows.sort(key=lambda r: r.seq)
+            rows = self._fetch_tuples(conn, sql, tuple(params))
+        rows.sort(key=lambda r: r[1])
+        parse_ts = _parse_ts
         return [
-            StoredEvent(
-                r.run_id,
-                r.seq,
-                r.epoch,
-                r.type,
-                r.schema_version,
-                r.payload,
-                _parse_ts(r.recorded_at),
-                r.train_step,
-                r.weight_version,
-                r.group_id,
-                r.prompt_index,
-                r.target_step,
-            )
-            for r in rows
+            StoredEvent(run, seq, epoch, type_, version, payload, parse_ts(ts), step, wv, gid,
+                        pidx, tstep)  # fmt: skip
+            for run, seq, epoch, type_, version, payload, ts, step, wv, gid, pidx, tstep in rows
         ]
 
     # ------------------------------------------------------------------ snapshots

@@ -143,7 +143,7 @@ def _print(result: QueryResult, title: str, as_json: bool, *, events: bool = Fal
 @click.option(
     "--sql",
     help="A read-only SELECT/WITH query over the views ('-' reads it from stdin); "
-    ":run_id is bound from --run.",
+    ":run_id is bound from --run (default: the database's only run).",
 )
 @click.option(
     "--param",
@@ -212,7 +212,8 @@ def audit(
     try:
         with SqlAudit(db_url, limit=limit, timeout_s=timeout_s) as db:
             if sql is not None:
-                if run_id is not None:
+                if run_id is not None or (":run_id" in sql and "run_id" not in bound):
+                    # :run_id is --run, or the database's only run when --run is omitted.
                     bound.setdefault("run_id", db.resolve_run(run_id))
                 result, title = db.select(sql, bound), "query"
             elif not chosen:

@@ -141,8 +141,11 @@ def test_errors(audit_run: BuiltRun, tmp_path: Path) -> None:
     result = cli("audit", b.url, "--run", "nope", "--dropped")
     assert result.exit_code == 1
     assert "no run 'nope'" in result.stderr and b.run.run_id in result.stderr
+    # Without --run, :run_id is the database's only run.
     result = cli("audit", b.url, "--sql", "SELECT * FROM runs WHERE run_id = :run_id")
-    assert result.exit_code == 1 and "--param run_id=VALUE" in result.stderr
+    assert result.exit_code == 0 and b.run.run_id in result.stdout
+    result = cli("audit", b.url, "--sql", "SELECT * FROM runs WHERE run_id = :other")
+    assert result.exit_code == 1 and "--param other=VALUE" in result.stderr
     result = cli("audit", b.url, "--sql", "SELECT no_such FROM runs")
     assert result.exit_code == 1 and "query failed" in result.stderr
     result = cli("audit", b.url, "--dropped", "--staleness")
