@@ -260,7 +260,9 @@ async def run_training(
                     )
                     for s in batch.samples
                 ]
-                stats = await asyncio.to_thread(trainer.train_step, samples)
+                # An empty batch (every group of the step dropped, recorded as shortfall)
+                # still advances the step and the weight version; it just trains nothing.
+                stats = await asyncio.to_thread(trainer.train_step, samples) if samples else None
                 version = step + 1
                 await runtime.report_trained(step, version)
                 await runtime.publish_weights(trainer.named_weights(), version)
@@ -269,7 +271,7 @@ async def run_training(
                     "event": "step",
                     "step": step,
                     "reward": batch.mean_reward,
-                    "loss": stats.loss,
+                    "loss": stats.loss if stats is not None else None,
                     "groups": len(batch.group_ids),
                     "shortfall": batch.shortfall,
                     "offset": controller.state.last_seq,

@@ -37,7 +37,7 @@ from .errors import (
 )
 from .history import history_segments
 from .records import NewEvent, PayloadPut, RunInfo, Snapshot, StoredEvent
-from .schema import epochs, events, payloads, runs, snapshots
+from .schema import epochs, payloads, runs, snapshots
 
 #: SQLite ``synchronous`` levels accepted in the URL query (``?synchronous=NORMAL``).
 SQLITE_SYNCHRONOUS = ("OFF", "NORMAL", "FULL", "EXTRA")
@@ -513,8 +513,9 @@ class EventStore:
         rows.sort(key=lambda r: r[1])
         parse_ts = _parse_ts
         return [
-            StoredEvent(run, seq, epoch, type_, version, payload, parse_ts(ts), step, wv, gid,
-                        pidx, tstep)  # fmt: skip
+            StoredEvent(
+                run, seq, epoch, type_, version, payload, parse_ts(ts), step, wv, gid, pidx, tstep
+            )
             for run, seq, epoch, type_, version, payload, ts, step, wv, gid, pidx, tstep in rows
         ]
 

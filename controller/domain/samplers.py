@@ -88,8 +88,9 @@ def _plan_in_order(state: RunState, t: int) -> BatchPlan:
     if generating:
         return BatchPlan(waiting_for=f"{len(generating)} groups of step {t} are still generating")
     chosen = sorted(stamped, key=lambda g: g.group_id)
-    if not chosen:
-        return BatchPlan(waiting_for=f"step {t} has no groups left")
+    # Every group of the step left without a replacement (all recorded drops): the step
+    # trains an empty batch with its whole size as the recorded shortfall, so later
+    # steps are not stuck behind it.
     return BatchPlan(select=chosen, shortfall=rules.groups_per_step - len(chosen))
 
 
