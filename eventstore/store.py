@@ -360,7 +360,20 @@ class EventStore:
         if expected_seq < 1:
             raise StoreError(f"expected_seq must be >= 1, got {expected_seq}")
         last = expected_seq + len(batch) - 1
-        iso = _iso if self._is_sqlite else (lambda ts: ts)
+        if self._is_sqlite:
+            # Events of one command share their timestamp: format each distinct one once.
+            formatted: dict[datetime, str] = {}
+
+            def iso(ts: datetime) -> str | datetime:
+                text = formatted.get(ts)
+                if text is None:
+                    text = formatted[ts] = _iso(ts)
+                return text
+        else:
+
+            def iso(ts: datetime) -> str | datetime:
+                return ts
+
         rows = [
             (
                 run_id,
