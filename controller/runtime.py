@@ -169,6 +169,10 @@ class RolloutRuntime:
         self._closing = False
         self._payload_cache: dict[str, bytes] = {}
         self._prompt_cache: dict[int, tuple[int, ...]] = {}
+        #: Weight swaps in progress (publish/sync). Dispatch waits meanwhile: the version
+        #: stamped on a dispatch would be the outgoing one, and work admitted for the next
+        #: step would be stale on arrival (and evicted, costing a prompt each).
+        self._swapping = 0
         #: Seconds each checkpoint() took until its marker was durable (for metrics; one
         #: float per checkpoint, so it stays small).
         self.checkpoint_seconds: list[float] = []
@@ -232,7 +236,7 @@ class RolloutRuntime:
     def _dispatch(self) -> None:
         state = self.controller.state
         budget = self.generation.max_in_flight_siblings - self._in_flight()
-        if budget <= 0:
+        if budget <= 0 or self._swapping:
             return
         # Oldest target step first, so the next batch fills before later ones.
         candidates = sorted(
@@ -466,8 +470,12 @@ class RolloutRuntime:
         sees them.
         """
         self._raise_if_failed()
-        await self.controller.aflush()
-        await self.backend.update_weights(named_tensors, weight_version)
+        self._swapping += 1
+        try:
+            await self.controller.aflush()
+            await self.backend.update_weights(named_tensors, weight_version)
+        finally:
+            self._swapping -= 1
         applied = self.controller.execute(PublishWeights(weight_version))
         await self._abort_in_backend([ev for _, ev in applied])
         self._changed.set()
@@ -481,7 +489,11 @@ class RolloutRuntime:
         records the publish if the log has not recorded it yet.
         """
         if self.backend.weight_version != weight_version:
-            await self.backend.update_weights(named_tensors, weight_version)
+            self._swapping += 1
+            try:
+                await self.backend.update_weights(named_tensors, weight_version)
+            finally:
+                self._swapping -= 1
         if self.controller.state.published_version < weight_version:
             applied = self.controller.execute(PublishWeights(weight_version))
             await self._abort_in_backend([ev for _, ev in applied])

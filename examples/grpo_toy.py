@@ -77,6 +77,11 @@ def newest_checkpoint(folder: Path) -> dict[str, Any] | None:
 async def train(args: argparse.Namespace) -> int:
     """Run (or resume) the GRPO loop; returns the process exit code."""
     work = Path(args.workdir)
+    ckpt_dir = work / "checkpoints" / args.run_id
+    ckpt = newest_checkpoint(ckpt_dir) if args.resume else None
+    if args.resume and ckpt is None:
+        print(f"no checkpoint in {ckpt_dir} to resume from", file=sys.stderr)
+        return 2
     torch.manual_seed(args.seed)
     model_dir = build_tiny_model(work / "tiny-model")
     model, tokenizer = load_policy(model_dir)
@@ -87,15 +92,10 @@ async def train(args: argparse.Namespace) -> int:
         group_size=4, groups_per_step=8, lookahead=1, staleness_bound=1, spare_pool_size=2
     )
     store_cfg = StoreConfig(url=args.db)
-    ckpt_dir = work / "checkpoints" / args.run_id
 
     store = EventStore.open(args.db)
     try:
-        if args.resume:
-            ckpt = newest_checkpoint(ckpt_dir)
-            if ckpt is None:
-                print(f"no checkpoint in {ckpt_dir} to resume from", file=sys.stderr)
-                return 2
+        if ckpt is not None:
             trainer.load_state_dict(ckpt["trainer"])  # the model ...
             controller, report = RolloutController.restore(  # ... and the rollout state
                 store,
@@ -127,7 +127,7 @@ async def train(args: argparse.Namespace) -> int:
         )
         await runtime.start()
         try:
-            if args.resume:  # the backend serves the restored trainer's weights
+            if ckpt is not None:  # the backend serves the restored trainer's weights
                 await runtime.sync_weights(trainer.named_weights(), version)
             for step in range(controller.state.train_step, args.steps):
                 batch = await runtime.next_batch(step)

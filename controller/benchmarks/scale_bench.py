@@ -177,7 +177,7 @@ def _append_source(log: GeneratedLog, window: int) -> list[NewEvent]:
                 r.prompt_index,
                 r.target_step,
             )
-            for r in store.read(log.run_id, 2, window + 1)
+            for r in store.read(log.run_id, 1, window)
         ]
     finally:
         store.close()
@@ -258,8 +258,8 @@ def run_scale_benchmark(
     say = progress or (lambda _msg: None)
     if events <= baseline_events:
         raise ValueError(f"--events ({events}) must exceed the baseline ({baseline_events})")
-    if window >= baseline_events:
-        raise ValueError(f"the window ({window}) must be smaller than the baseline log")
+    if window > baseline_events:
+        raise ValueError(f"the window ({window}) must not exceed the baseline log")
     db_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     logs = {

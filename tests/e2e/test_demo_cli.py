@@ -9,6 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
+
+from controller.cli import main
 
 from .conftest import rolloutlog
 
@@ -96,9 +99,11 @@ def test_demo_postgres(tmp_path: Path, pg_url: str) -> None:
 
 
 def test_demo_rejects_too_few_steps(tmp_path: Path) -> None:
-    proc = rolloutlog(
-        "demo", "--steps", "8", "--checkpoint-every", "6", "--workdir", str(tmp_path),
-        "--db", f"sqlite:///{tmp_path / 'x.db'}", timeout=120,
+    res = CliRunner().invoke(
+        main,
+        ["demo", "--steps", "8", "--checkpoint-every", "6", "--workdir", str(tmp_path),
+         "--db", f"sqlite:///{tmp_path / 'x.db'}"],
     )  # fmt: skip
-    assert proc.returncode != 0
-    assert "checkpoint_every + 3" in proc.stderr
+    assert res.exit_code == 1
+    assert "checkpoint_every + 3 = 9 steps" in res.output
+    assert not (tmp_path / "checkpoints").exists()  # no worker was started

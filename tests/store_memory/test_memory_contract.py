@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from eventstore import (
@@ -181,6 +181,11 @@ def _reference_history(epochs: list[tuple[int, int]], last: int) -> list[int]:
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(pattern=restore_patterns())
+# Resume to an offset a previous restore abandoned, then keep writing.
+@example(pattern=[(3, 1), (3, 2), (2, None)])
+# A restore that has written nothing yet: its resume offset is the current history's end.
+@example(pattern=[(4, None), (0, 2)])
+@example(pattern=[(3, 1), (2, 3), (0, 5)])
 def test_history_segments_random_restores(
     make_store: Callable[[], Any], pattern: list[tuple[int, int | None]]
 ) -> None:
