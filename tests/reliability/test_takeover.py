@@ -72,18 +72,22 @@ def test_takeover_fences_the_old_process(db_url: str, mode: str, a_state: str) -
         if a_state == "running":
             time.sleep(0.3)
             os.kill(a.proc.pid, signal.SIGCONT)
+        woke_a_early = a_state == "running"
         try:
             ready = b.wait_for("READY", timeout=10)
         except AssertionError:
-            # The frozen A may hold the write lock mid-transaction: let it commit.
+            # The frozen A may hold the write lock mid-transaction: let it commit. It may
+            # then run past B's target before B takes over.
             os.kill(a.proc.pid, signal.SIGCONT)
+            woke_a_early = True
             ready = b.wait_for("READY", timeout=60)
         finally:
             if a_state == "frozen":
                 os.kill(a.proc.pid, signal.SIGCONT)  # the zombie wakes up after the takeover
         assert ready.startswith("READY epoch=2"), ready
-        if a_state == "frozen" or int(ready.split("step=")[1]) < steps:
-            assert int(ready.split("step=")[1]) < steps
+        b_step = int(ready.split("step=")[1])
+        if not woke_a_early:
+            assert b_step < steps
         rc_a = a.finish(timeout=90)
         fenced = [x for x in a.lines if x.startswith("FENCED")]
         assert rc_a == 3 and fenced, (rc_a, a.lines[-3:], a.stderr[-2000:])
@@ -91,7 +95,8 @@ def test_takeover_fences_the_old_process(db_url: str, mode: str, a_state: str) -
         assert b.finish(timeout=90) == 0, b.stderr[-2000:]
         assert b.lines[-1] == "DONE"
         _check_takeover(db_url, a, b, mode, 2)
-        assert _newest_checkpoint_step(db_url) == steps
+        if b_step < steps:  # B trained up to its target
+            assert _newest_checkpoint_step(db_url) == steps
     finally:
         if a.proc.poll() is None:
             os.kill(a.proc.pid, signal.SIGCONT)
