@@ -119,9 +119,7 @@ def _forge(store: EventStore, event: object) -> int:
 
 def test_check_reports_first_violation_with_group_history(run_url: str) -> None:
     store = EventStore.open(run_url)
-    trained_group = next(
-        r.group_id for r in store.read("r") if r.type == "GroupSelected"
-    )
+    trained_group = next(r.group_id for r in store.read("r") if r.type == "GroupSelected")
     assert trained_group is not None
     # A second selection of an already trained group: invariant 3 (or 8) must catch it.
     offset = _forge(
