@@ -8,9 +8,11 @@ audit and salvage) but leave the history.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Protocol
 
 from .errors import StoreError
+from .records import StoredEvent
 
 
 def history_segments(
@@ -52,3 +54,21 @@ def history_segments(
         upto = resume
     segments.reverse()
     return segments
+
+
+class _Segmented(Protocol):
+    def history_segments(self, run_id: str, to_seq: int | None = None) -> list[tuple[int, int]]: ...
+
+    def read(
+        self, run_id: str, from_seq: int = 1, to_seq: int | None = None
+    ) -> Iterator[StoredEvent]: ...
+
+
+def read_history(
+    store: _Segmented, run_id: str, to_seq: int | None = None, *, from_seq: int = 1
+) -> Iterator[StoredEvent]:
+    """The events of a store's history (its segments) from ``from_seq`` on, in order."""
+    for first, last in store.history_segments(run_id, to_seq):
+        if last < from_seq:
+            continue
+        yield from store.read(run_id, max(first, from_seq), last)

@@ -22,7 +22,7 @@ from .errors import (
     RunNotFoundError,
     StoreError,
 )
-from .history import history_segments
+from .history import history_segments, read_history
 from .records import NewEvent, PayloadPut, RunInfo, Snapshot, StoredEvent
 
 
@@ -130,10 +130,7 @@ class MemoryEventStore:
         self, run_id: str, to_seq: int | None = None, *, from_seq: int = 1
     ) -> Iterator[StoredEvent]:
         """See :meth:`EventStore.read_history`."""
-        for first, last in self.history_segments(run_id, to_seq):
-            if last < from_seq:
-                continue
-            yield from self.read(run_id, max(first, from_seq), last)
+        return read_history(self, run_id, to_seq, from_seq=from_seq)
 
     # ------------------------------------------------------------------ append / read
     def append(

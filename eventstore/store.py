@@ -35,7 +35,7 @@ from .errors import (
     StoreUnavailableError,
     StoreUrlError,
 )
-from .history import history_segments
+from .history import history_segments, read_history
 from .records import NewEvent, PayloadPut, RunInfo, Snapshot, StoredEvent
 from .schema import epochs, payloads, runs, snapshots
 
@@ -333,10 +333,7 @@ class EventStore:
         self, run_id: str, to_seq: int | None = None, *, from_seq: int = 1
     ) -> Iterator[StoredEvent]:
         """Stream the history (see :meth:`history_segments`) from ``from_seq`` on, in order."""
-        for first, last in self.history_segments(run_id, to_seq):
-            if last < from_seq:
-                continue
-            yield from self.read(run_id, max(first, from_seq), last)
+        return read_history(self, run_id, to_seq, from_seq=from_seq)
 
     # ------------------------------------------------------------------ append
     def append(
