@@ -21,6 +21,7 @@ Parameters are written ``:name`` (``:run_id``, ``:prompt_index``...) on both dia
 from __future__ import annotations
 
 import base64
+import contextlib
 import re
 import sqlite3
 import time
@@ -79,14 +80,27 @@ class _Segment:
     text: str
 
 
-_DOLLAR_TAG = re.compile(r"\$([A-Za-z_][A-Za-z_0-9]*)?\$")
+# PostgreSQL's lexer (scan.l): ident_start = [A-Za-z\200-\377_], ident_cont adds digits
+# and '$'; a dollar-quote tag is $tag$ with tag = ident_start [A-Za-z\200-\377_0-9]*.
+# \200-\377 are the bytes of every non-ASCII character in UTF-8.
+_NON_ASCII = "\x80-\U0010ffff"
+_IDENT_START = f"A-Za-z_{_NON_ASCII}"
+_IDENT_CONT = f"A-Za-z_0-9${_NON_ASCII}"
+_DOLLAR_TAG = re.compile(f"\\$(?:[{_IDENT_START}][A-Za-z_0-9{_NON_ASCII}]*)?\\$")
+_IDENT_OR_NUMBER = re.compile(f"[{_IDENT_START}][{_IDENT_CONT}]*|[0-9][{_IDENT_CONT}.]*")
+#: An unquoted identifier (or keyword) of a code segment.
+_WORD = re.compile(f"(?<![{_IDENT_CONT}])[{_IDENT_START}][{_IDENT_CONT}]*")
 _PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
+_UNICODE_ESCAPE = re.compile(r"\\(?:\\|([0-9A-Fa-f]{4})|\+([0-9A-Fa-f]{6}))")
 
 
 def _segments(sql: str) -> list[_Segment]:
-    """Split SQL into code, quoted literals/identifiers and comments.
+    """Split SQL into code, quoted literals/identifiers and comments, as PostgreSQL does.
 
-    Raises :class:`QueryRefusedError` for an unterminated literal or comment.
+    Unquoted identifiers (which may hold ``$`` and non-ASCII letters: ``€$a$`` is one
+    identifier, not ``€`` followed by a dollar quote) and numbers are skipped whole, so a
+    ``$`` inside them never opens a dollar quote. Raises :class:`QueryRefusedError` for an
+    unterminated literal or comment.
     """
     out: list[_Segment] = []
     i, n, start = 0, len(sql), 0
@@ -118,33 +132,33 @@ def _segments(sql: str) -> list[_Segment]:
                 raise QueryRefusedError("unterminated /* comment in the SQL")
             out.append(_Segment("comment", sql[i:j]))
             i = start = j
-        elif ch in ("'", '"'):
-            # E'...' (PostgreSQL escape string): backslash escapes apply.
-            escape = (
-                ch == "'" and i > start and sql[i - 1] in "eE"
-                and (i - 1 == 0 or not (sql[i - 2].isalnum() or sql[i - 2] == "_"))
-            )  # fmt: skip
-            begin = i - 1 if escape else i
+        elif ch in ("'", '"') or (ch in "eEuU" and _quote_prefix(sql, i)):
+            # E'...' (backslash escapes apply), U&'...' / U&"..." (Unicode escapes).
+            prefix = _quote_prefix(sql, i) if ch in "eEuU" else ""
+            begin = i
+            i += len(prefix)
+            quote = sql[i]
+            escape = prefix.upper() == "E"
             flush_code(begin)
             j = i + 1
             while True:
                 if j >= n:
-                    what = "string literal" if ch == "'" else "quoted identifier"
+                    what = "string literal" if quote == "'" else "quoted identifier"
                     raise QueryRefusedError(f"unterminated {what} in the SQL")
                 if escape and sql[j] == "\\":
                     j += 2
                     continue
-                if sql[j] == ch:
-                    if j + 1 < n and sql[j + 1] == ch:  # doubled quote
+                if sql[j] == quote:
+                    if j + 1 < n and sql[j + 1] == quote:  # doubled quote
                         j += 2
                         continue
                     break
                 j += 1
-            out.append(_Segment("string" if ch == "'" else "ident", sql[begin : j + 1]))
+            out.append(_Segment("string" if quote == "'" else "ident", sql[begin : j + 1]))
             i = start = j + 1
-        elif ch == "$" and (i == 0 or not (sql[i - 1].isalnum() or sql[i - 1] == "_")):
+        elif ch == "$":
             m = _DOLLAR_TAG.match(sql, i)
-            if m is None:
+            if m is None:  # $1 (a positional parameter) or a stray '$'
                 i += 1
                 continue
             tag = m.group(0)
@@ -155,16 +169,79 @@ def _segments(sql: str) -> list[_Segment]:
             out.append(_Segment("dollar", sql[i : end + len(tag)]))
             i = start = end + len(tag)
         else:
-            i += 1
+            m = _IDENT_OR_NUMBER.match(sql, i)
+            i = m.end() if m else i + 1
     flush_code(n)
     return out
+
+
+def _quote_prefix(sql: str, i: int) -> str:
+    """``E`` / ``U&`` when a string or quoted identifier starts at ``i`` with that prefix."""
+    rest = sql[i : i + 3]
+    if rest[:1] in ("e", "E") and rest[1:2] == "'":
+        return rest[:1]
+    if rest[:1] in ("u", "U") and rest[1:2] == "&" and rest[2:3] in ("'", '"'):
+        return rest[:2]
+    return ""
+
+
+def _unicode_char(m: re.Match[str]) -> str:
+    """The character a ``U&`` escape (``\\XXXX``, ``\\+XXXXXX``, ``\\\\``) stands for."""
+    code = m.group(1) or m.group(2)
+    return "\\" if code is None else chr(int(code, 16))
+
+
+def _identifiers(segments: list[_Segment]) -> list[str]:
+    """The names the SQL uses, as the server resolves them: unquoted ones lower-cased,
+    quoted ones (``"x"``, ``U&"\\0078"``) exact. Raises :class:`QueryRefusedError` for a
+    ``UESCAPE`` clause (not needed in an audit query, and it would change the escapes)."""
+    names: list[str] = []
+    for seg in segments:
+        if seg.kind == "code":
+            words = [w.lower() for w in _WORD.findall(seg.text)]
+            if "uescape" in words:
+                raise QueryRefusedError("UESCAPE is not supported in audit queries")
+            names.extend(words)
+        elif seg.kind == "ident":
+            text = seg.text
+            unicode = text[:2].upper() == "U&"
+            body = text[3:-1] if unicode else text[1:-1]
+            body = body.replace('""', '"')
+            if unicode:
+                body = _UNICODE_ESCAPE.sub(_unicode_char, body)
+            names.append(body)
+    return names
+
+
+#: Functions with effects beyond reading the log (server files, other sessions, locks,
+#: settings, large objects, SQL run from a string, extensions): refused by name in every
+#: audit query, whatever the role. The reader role cannot run most of them anyway; this
+#: also covers a privileged role run with the override.
+_SIDE_EFFECT_FUNCTION = re.compile(
+    r"""(
+      pg_terminate_backend | pg_cancel_backend | pg_reload_conf | pg_rotate_logfile
+    | pg_read_file | pg_read_binary_file | pg_stat_file | pg_ls_\w* | pg_file_\w*
+    | pg_logdir_ls | pg_\w*advisory\w* | set_config | pg_notify | lo_\w* | lowrite | loread
+    | pg_switch_wal | pg_create_restore_point | pg_backup_\w* | pg_start_backup
+    | pg_stop_backup | pg_promote | pg_wal_replay_\w* | pg_log_backend_memory_contexts
+    | pg_\w*replication_slot\w* | pg_logical_\w* | pg_replication_origin_\w*
+    | pg_stat_reset\w* | pg_stat_statements_reset | pg_import_system_collations
+    | pg_prewarm | query_to_xml\w* | cursor_to_xml\w* | ts_stat | dblink\w* | nextval
+    | setval | txid_current | pg_current_xact_id | load_extension | fts3_tokenizer
+    )""",
+    re.VERBOSE,
+)
 
 
 def check_select(sql: str) -> str:
     """Return ``sql`` without its trailing ``;`` if it is one ``SELECT`` / ``WITH`` statement.
 
-    A lexical first line of defence (the database enforces read-only on its own); raises
-    :class:`QueryRefusedError` naming what is wrong.
+    A lexical first line of defence, which gives clear messages: one statement per
+    execution is enforced by the driver (PostgreSQL: extended protocol, a prepared
+    statement; SQLite: ``execute`` runs one statement) and read-only by the database
+    (reader role, read-only transaction, SQLite authorizer). Also refuses functions with
+    side effects (:data:`_SIDE_EFFECT_FUNCTION`). Raises :class:`QueryRefusedError`
+    naming what is wrong.
     """
     segments = _segments(sql)
     code = [s for s in segments if s.kind == "code"]
@@ -178,6 +255,12 @@ def check_select(sql: str) -> str:
         raise QueryRefusedError(
             f"only a single SELECT or WITH query may run (read-only audit), not {shown!r}"
         )
+    for name in _identifiers(segments):
+        if _SIDE_EFFECT_FUNCTION.fullmatch(name):
+            raise QueryRefusedError(
+                f"{name} has effects beyond reading the log (server files, sessions, locks, "
+                "settings or large objects): it is refused in an audit query"
+            )
     # A ';' may only end the statement: nothing but blanks and comments after it.
     kept: list[str] = []
     ended = False
@@ -413,14 +496,158 @@ ORDER BY seq
 """
 
 
+# ---------------------------------------------------------------- roles (PostgreSQL)
+
+#: The command that creates a role fit for ``audit --sql`` (named in refusals).
+READER_COMMAND = "rolloutlog db create-reader URL --role NAME"
+
+#: Predefined roles whose members reach the server's files, programs or other sessions.
+DANGEROUS_PREDEFINED_ROLES = (
+    "pg_read_server_files",
+    "pg_write_server_files",
+    "pg_execute_server_program",
+    "pg_signal_backend",
+    "pg_write_all_data",
+    "pg_checkpoint",
+)
+
+
+class PrivilegedRoleError(QueryRefusedError):
+    """``--sql`` would run as a role that can write, create roles, or is a superuser."""
+
+
+def log_schema(conn: Connection) -> str:
+    """The schema that holds the log's ``events`` table (first in the search path)."""
+    name = conn.exec_driver_sql(
+        "SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE c.oid = to_regclass('events')"
+    ).scalar()
+    if name is None:
+        raise AuditError("no rolloutlog events table in the search path of this connection")
+    return str(name)
+
+
+_ROLE_SQL = """
+WITH target AS (
+    SELECT oid, rolname, rolsuper FROM pg_roles WHERE rolname = %(role)s
+), via AS (
+    SELECT r.oid, r.rolname, r.rolsuper, r.rolcreaterole
+    FROM pg_roles r, target t
+    WHERE NOT t.rolsuper AND pg_has_role(t.oid, r.oid, 'MEMBER')
+    UNION ALL
+    SELECT oid, rolname, rolsuper, FALSE FROM target WHERE rolsuper
+)
+SELECT v.rolname, v.rolname = t.rolname AS itself, v.rolsuper, v.rolcreaterole,
+       has_database_privilege(v.oid, current_database(), 'CREATE') AS create_in_db,
+       has_schema_privilege(v.oid, %(schema)s, 'CREATE') AS create_in_schema,
+       ARRAY(
+           SELECT c.relname::text FROM pg_class c
+           WHERE c.relnamespace = (SELECT oid FROM pg_namespace WHERE nspname = %(schema)s)
+             AND c.relkind IN ('r', 'p', 'v', 'm', 'f')
+             AND has_table_privilege(v.oid, c.oid, 'INSERT, UPDATE, DELETE, TRUNCATE, TRIGGER')
+           ORDER BY c.relname
+       ) AS writable
+FROM via v, target t
+ORDER BY itself DESC, v.rolname
+"""
+
+
+def role_problems(conn: Connection, role: str | None = None) -> list[str]:
+    """Why ``role`` (default: the connected role) is more than a reader of the log.
+
+    Empty for a role fit for ``audit --sql``: not a superuser, cannot create roles, has
+    no write privilege (INSERT, UPDATE, DELETE, TRUNCATE, TRIGGER) on any table or view
+    of the log's schema, cannot create objects in that schema or the database, and is no
+    member of a predefined role that reaches server files, programs or other sessions.
+    Roles it is a member of count too (``SET ROLE`` reaches them whatever ``INHERIT``).
+    """
+    name = role if role is not None else str(conn.exec_driver_sql("SELECT current_user").scalar())
+    schema = log_schema(conn)
+    rows = conn.exec_driver_sql(_ROLE_SQL, {"role": name, "schema": schema}).all()
+    if not rows:
+        raise AuditError(f"no role {name!r} on this server")
+    problems: list[str] = []
+    for r in rows:
+        who = "" if r.itself else f" through its membership in {r.rolname!r}"
+        if r.rolsuper:
+            problems.append(f"is a superuser{who}")
+            continue
+        if r.rolcreaterole:
+            problems.append(f"can create roles{who}")
+        if r.rolname in DANGEROUS_PREDEFINED_ROLES:
+            problems.append(f"is a member of {r.rolname}")
+        if r.writable:
+            problems.append(f"can write to {', '.join(r.writable)}{who}")
+        if r.create_in_schema:
+            problems.append(f"can create objects in schema {schema}{who}")
+        if r.create_in_db:
+            problems.append(f"can create schemas in the database{who}")
+    return problems
+
+
+# ---------------------------------------------------------------- SQLite authorizer
+
+#: SQLite functions an audit query may call: pure scalar, aggregate, window, date/time
+#: and JSON functions. Everything else (``load_extension``, ``fts3_tokenizer``, any
+#: application function) is refused by the authorizer.
+_FUNCTION_NAMES = """
+    abs avg char coalesce concat concat_ws count cume_dist date datetime dense_rank
+    first_value format glob group_concat hex ifnull iif instr json json_array
+    json_array_length json_extract json_group_array json_group_object json_object
+    json_patch json_quote json_remove json_replace json_set json_type json_valid
+    jsonb julianday lag last_value lead length like likelihood likely lower ltrim max
+    min nth_value ntile nullif octet_length percent_rank printf quote random randomblob
+    rank replace round row_number rtrim sign string_agg strftime substr substring sum
+    time timediff total trim typeof unhex unicode unixepoch unlikely upper zeroblob
+    acos acosh asin asinh atan atan2 atanh ceil ceiling cos cosh degrees exp floor ln
+    log log10 log2 mod pi pow power radians sin sinh sqrt tan tanh trunc
+    sqlite_version
+"""
+SQLITE_FUNCTIONS = frozenset(_FUNCTION_NAMES.split())
+
+_SQLITE_ACTIONS = {
+    getattr(sqlite3, n): n.removeprefix("SQLITE_").replace("_", " ")
+    for n in dir(sqlite3)
+    if n.startswith("SQLITE_")
+    and n.removeprefix("SQLITE_").split("_")[0]
+    in ("CREATE", "DROP", "INSERT", "UPDATE", "DELETE", "PRAGMA", "ATTACH", "DETACH",
+        "ALTER", "TRANSACTION", "REINDEX", "ANALYZE", "SAVEPOINT")
+}  # fmt: skip
+
+
+class _SqliteAuthorizer:
+    """Allows reads only: ``SELECT``, column reads, recursive CTEs and the functions of
+    :data:`SQLITE_FUNCTIONS`; records what it denied, for the error message."""
+
+    def __init__(self) -> None:
+        self.denied: list[str] = []
+
+    def __call__(
+        self, action: int, arg1: str | None, arg2: str | None, _db: str | None, _src: str | None
+    ) -> int:
+        if action in (sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_RECURSIVE):
+            return sqlite3.SQLITE_OK
+        if action == sqlite3.SQLITE_FUNCTION:
+            if (arg2 or "").lower() in SQLITE_FUNCTIONS:
+                return sqlite3.SQLITE_OK
+            self.denied.append(f"function {arg2}()")
+            return sqlite3.SQLITE_DENY
+        what = _SQLITE_ACTIONS.get(action, f"action {action}")
+        self.denied.append(f"{what} {arg1}" if arg1 else what)
+        return sqlite3.SQLITE_DENY
+
+
 # ---------------------------------------------------------------- the runner
 
 
 class SqlAudit:
     """A read-only audit connection to a rolloutlog database.
 
-    Raises :class:`StoreError` subclasses (bad URL, unreachable database, a schema not
-    at this rolloutlog's head) from the constructor.
+    ``allow_privileged_role``: on PostgreSQL, :meth:`select` (user SQL) refuses to run as
+    a role that can write, create roles or is a superuser (see :func:`role_problems`)
+    unless this is set; every query still runs in a read-only transaction with the
+    timeout either way. Raises :class:`StoreError` subclasses (bad URL, unreachable
+    database, a schema not at this rolloutlog's head) from the constructor.
     """
 
     def __init__(
@@ -429,12 +656,15 @@ class SqlAudit:
         *,
         limit: int | None = DEFAULT_LIMIT,
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        allow_privileged_role: bool = False,
     ) -> None:
         self.store = EventStore.open(url, readonly=True, create=False)
         self.dialect = self.store.dialect
         self.limit = limit
         self.timeout_s = timeout_s
+        self.allow_privileged_role = allow_privileged_role
         self.where = self.store.url.render_as_string(hide_password=True)
+        self._role_ok = False
 
     def close(self) -> None:
         """Release the connections."""
@@ -445,6 +675,33 @@ class SqlAudit:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # ---------------------------------------------------------------- the role
+    def role_problems(self) -> list[str]:
+        """Why the connection's role is more than a reader (always empty on SQLite)."""
+        if self.dialect == "sqlite":
+            return []
+        try:
+            with self.store.engine.connect() as conn:
+                return role_problems(conn)
+        except sa.exc.DBAPIError as exc:
+            raise self._translate(exc) from exc
+
+    def require_reader(self) -> None:
+        """Raise :class:`PrivilegedRoleError` if user SQL would run as a privileged role
+        (PostgreSQL, without ``allow_privileged_role``)."""
+        if self._role_ok or self.allow_privileged_role or self.dialect == "sqlite":
+            return
+        problems = self.role_problems()
+        if problems:
+            user = self.store.url.username or "the default user"
+            raise PrivilegedRoleError(
+                f"refused: --sql would run as role {user!r}, which {'; '.join(problems)}. "
+                f"Audit SQL runs as a read-only role: create one with `{READER_COMMAND}` "
+                "and pass the URL it prints, or pass --allow-privileged-role to run it "
+                "anyway (still in a read-only transaction with the timeout)"
+            )
+        self._role_ok = True
 
     # ---------------------------------------------------------------- runs
     def runs(self) -> list[str]:
@@ -475,35 +732,35 @@ class SqlAudit:
     def summary(self, run_id: str | None = None) -> QueryResult:
         """One row per run (or only ``run_id``): epochs, history size, prompt outcomes."""
         if run_id is None:
-            return self.select(Q_SUMMARY)
+            return self._query(Q_SUMMARY)
         run_id = self.resolve_run(run_id)
         sql = Q_SUMMARY.replace("ORDER BY", "WHERE run_id = :run_id\nORDER BY")
-        return self.select(sql, {"run_id": run_id})
+        return self._query(sql, {"run_id": run_id})
 
     def prompt_history(self, run_id: str, prompt_index: int) -> QueryResult:
         """Every history event about a prompt: its group's events (siblings included) and
         the batch selection and train step of the step it was selected for."""
-        return self.select(Q_PROMPT, {"run_id": run_id, "prompt_index": prompt_index})
+        return self._query(Q_PROMPT, {"run_id": run_id, "prompt_index": prompt_index})
 
     def group_history(self, run_id: str, group_id: int) -> QueryResult:
         """Every history event about a group (as :meth:`prompt_history`)."""
-        return self.select(Q_GROUP, {"run_id": run_id, "group_id": group_id})
+        return self._query(Q_GROUP, {"run_id": run_id, "group_id": group_id})
 
     def step_batch(self, run_id: str, train_step: int) -> QueryResult:
         """The groups selected for ``train_step`` with their staleness."""
-        return self.select(step_query(self.dialect), {"run_id": run_id, "train_step": train_step})
+        return self._query(step_query(self.dialect), {"run_id": run_id, "train_step": train_step})
 
     def dropped(self, run_id: str) -> QueryResult:
         """Prompts that left the run untrained (dropped or evicted), why, and their slot."""
-        return self.select(Q_DROPPED, {"run_id": run_id})
+        return self._query(Q_DROPPED, {"run_id": run_id})
 
     def staleness(self, run_id: str) -> QueryResult:
         """Per selected step: groups, shortfall, staleness min/max/avg, mean reward."""
-        return self.select(Q_STALENESS, {"run_id": run_id})
+        return self._query(Q_STALENESS, {"run_id": run_id})
 
     def recovery(self, run_id: str) -> QueryResult:
         """The recovery report of each restore (and takeover) in the run's history."""
-        return self.select(Q_RECOVERY, {"run_id": run_id})
+        return self._query(Q_RECOVERY, {"run_id": run_id})
 
     # ---------------------------------------------------------------- any SELECT
     def select(
@@ -514,15 +771,22 @@ class SqlAudit:
         limit: int | None = -1,
         check: bool = True,
     ) -> QueryResult:
-        """Run one read-only query; ``:name`` parameters come from ``params``.
+        """Run one read-only user query; ``:name`` parameters come from ``params``.
 
         ``limit``: most rows returned (-1: the audit's default, None: all).
-        ``check=False`` skips the lexical check (tests use it to prove that the database
-        itself refuses writes). Raises :class:`QueryRefusedError`,
-        :class:`ReadOnlyViolationError`, :class:`MissingParameterError` or
-        :class:`AuditError`.
+        ``check=False`` skips the lexical check (tests use it to prove that the driver and
+        the database refuse on their own). On PostgreSQL the connection's role must be a
+        reader (:meth:`require_reader`). Raises :class:`QueryRefusedError` (and its
+        :class:`PrivilegedRoleError`, :class:`ReadOnlyViolationError`),
+        :class:`MissingParameterError` or :class:`AuditError`.
         """
         statement = check_select(sql) if check else sql
+        self.require_reader()
+        return self._query(statement, params, limit=limit)
+
+    def _query(
+        self, statement: str, params: Mapping[str, Any] | None = None, *, limit: int | None = -1
+    ) -> QueryResult:
         names = param_names(statement)
         given = dict(params or {})
         missing = [n for n in names if n not in given]
@@ -534,19 +798,31 @@ class SqlAudit:
             )
         bound = {n: given[n] for n in names}
         cap = self.limit if limit == -1 else limit
-        with self._connection() as conn:
+        guard = self._connection()
+        with guard as conn:
+            raw_conn = conn.connection.dbapi_connection
+            assert raw_conn is not None
+            cur = raw_conn.cursor()
             try:
-                if bound:
-                    text = statement if self.dialect == "sqlite" else _to_pyformat(statement)
-                    result = conn.exec_driver_sql(text, bound)
+                if self.dialect == "sqlite":
+                    # sqlite3 runs one statement per execute (more is a ProgrammingError).
+                    cur.execute(statement, bound)
                 else:
-                    result = conn.execution_options(no_parameters=True).exec_driver_sql(statement)
-                if not result.returns_rows:
+                    # prepare=True: the extended protocol (Parse/Bind/Execute), in which the
+                    # server accepts exactly one statement; without parameters psycopg
+                    # would use the simple protocol, which runs a whole script.
+                    text = _to_pyformat(statement) if bound else statement
+                    cur.execute(text, bound or None, prepare=True)
+                if cur.description is None:
                     raise QueryRefusedError("the statement returned no rows: not a query")
-                columns = list(result.keys())
-                raw = result.fetchall() if cap is None else result.fetchmany(cap + 1)
+                columns = [d[0] for d in cur.description]
+                raw = cur.fetchall() if cap is None else cur.fetchmany(cap + 1)
+            except (self._driver_error, sqlite3.Warning) as exc:
+                raise self._translate(exc, guard.denied) from exc
             except sa.exc.DBAPIError as exc:
-                raise self._translate(exc) from exc
+                raise self._translate(exc, guard.denied) from exc
+            finally:
+                cur.close()
         truncated = cap is not None and len(raw) > cap
         rows = [
             {c: jsonable(v) for c, v in zip(columns, row, strict=True)}
@@ -555,16 +831,45 @@ class SqlAudit:
         return QueryResult(columns, rows, truncated)
 
     # ---------------------------------------------------------------- internals
+    @property
+    def _driver_error(self) -> type[Exception]:
+        """The driver's base exception class (``sqlite3.Error``, ``psycopg.Error``)."""
+        error: type[Exception] = self.store.engine.dialect.loaded_dbapi.Error
+        return error
+
     def _connection(self) -> _ReadOnlyTransaction:
         return _ReadOnlyTransaction(self)
 
-    def _translate(self, exc: sa.exc.DBAPIError) -> AuditError:
-        msg = str(exc.orig if exc.orig is not None else exc).strip().splitlines()[0]
+    def _translate(self, exc: BaseException, denied: list[str] | None = None) -> AuditError:
+        orig = exc.orig if isinstance(exc, sa.exc.DBAPIError) else exc
+        lines = str(orig if orig is not None else exc).strip().splitlines()
+        msg = lines[0] if lines else type(exc).__name__
         low = msg.lower()
+        if denied:
+            what = ", ".join(dict.fromkeys(denied))
+            writes = [d for d in denied if not d.startswith("function ")]
+            if writes:
+                return ReadOnlyViolationError(
+                    f"refused: the audit connection is read-only and the query tried "
+                    f"{what}; nothing was changed"
+                )
+            return QueryRefusedError(
+                f"refused: the query calls {what}, which audit queries may not call; "
+                f"nothing was changed (allowed: {', '.join(sorted(SQLITE_FUNCTIONS))})"
+            )
+        if "one statement at a time" in low or "multiple commands" in low:
+            return QueryRefusedError(
+                f"only one statement may run: remove what follows ';' (database said: {msg})"
+            )
         if any(w in low for w in ("readonly", "read-only", "read only", "read-write")):
             return ReadOnlyViolationError(
                 f"refused: the audit connection is read-only and the query tried to write; "
                 f"nothing was changed (database said: {msg})"
+            )
+        if "permission denied" in low or ("must be" in low and "superuser" in low):
+            return ReadOnlyViolationError(
+                f"refused: the audit role may only read the log; nothing was changed "
+                f"(database said: {msg})"
             )
         if "statement timeout" in low or "interrupted" in low:
             return AuditError(f"the query ran past the {self.timeout_s:g}s timeout ({msg})")
@@ -572,11 +877,19 @@ class SqlAudit:
 
 
 class _ReadOnlyTransaction:
-    """One read-only transaction: enforced by the database, rolled back at the end."""
+    """One read-only transaction, enforced by the database and rolled back at the end.
+
+    SQLite: ``PRAGMA query_only`` on a file opened ``mode=ro``, and an authorizer that
+    allows reads only. PostgreSQL: ``SET TRANSACTION READ ONLY`` (the query runs as one
+    prepared statement, so it cannot end the transaction) with ``statement_timeout``;
+    the connection is discarded afterwards, so no session state a query might leave
+    (settings, locks, prepared statements) outlives it.
+    """
 
     def __init__(self, audit: SqlAudit) -> None:
         self.audit = audit
         self._conn: Connection | None = None
+        self.denied: list[str] = []
 
     def __enter__(self) -> Connection:
         audit = self.audit
@@ -593,6 +906,9 @@ class _ReadOnlyTransaction:
                 if audit.timeout_s is not None:
                     deadline = time.monotonic() + audit.timeout_s
                     raw.set_progress_handler(lambda: time.monotonic() > deadline, 10_000)
+                authorizer = _SqliteAuthorizer()
+                self.denied = authorizer.denied
+                raw.set_authorizer(authorizer)
             else:
                 conn.exec_driver_sql("SET TRANSACTION READ ONLY")
                 # The views' plans are over-estimated on small or unanalysed tables, and
@@ -602,6 +918,7 @@ class _ReadOnlyTransaction:
                     ms = max(1, int(audit.timeout_s * 1000))
                     conn.exec_driver_sql(f"SET LOCAL statement_timeout = {ms}")
         except BaseException:
+            conn.invalidate()
             conn.close()
             raise
         return conn
@@ -611,10 +928,17 @@ class _ReadOnlyTransaction:
         if conn is None:
             return
         try:
-            if self.audit.dialect == "sqlite" and not conn.invalidated:
-                raw = conn.connection.dbapi_connection
-                if isinstance(raw, sqlite3.Connection):
-                    raw.set_progress_handler(None, 0)
-            conn.rollback()
+            if self.audit.dialect == "sqlite":
+                if not conn.invalidated:
+                    raw = conn.connection.dbapi_connection
+                    if isinstance(raw, sqlite3.Connection):
+                        # Before the rollback, which the authorizer would refuse.
+                        raw.set_authorizer(None)
+                        raw.set_progress_handler(None, 0)
+                conn.rollback()
+            else:
+                with contextlib.suppress(sa.exc.DBAPIError):  # discarded below anyway
+                    conn.rollback()
+                conn.invalidate()
         finally:
             conn.close()

@@ -167,6 +167,13 @@ def _print(result: QueryResult, title: str, as_json: bool, *, events: bool = Fal
     show_default=True,
     help="Seconds a query may run.",
 )
+@click.option(
+    "--allow-privileged-role",
+    is_flag=True,
+    help="PostgreSQL: run --sql even though the URL's role can write, create roles or is "
+    "a superuser (still one statement in a read-only transaction with the timeout). "
+    "Without it --sql needs a reader role: rolloutlog db create-reader.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of row objects.")
 def audit(
     db_url: str,
@@ -181,13 +188,15 @@ def audit(
     params: tuple[str, ...],
     limit: int,
     timeout_s: float,
+    allow_privileged_role: bool,
     as_json: bool,
 ) -> None:
     """Audit the run(s) logged at DB_URL with SQL (read-only).
 
     DB_URL is sqlite:///PATH or postgresql+psycopg://USER@HOST:PORT/DB. With no query
     option, one summary row per run. The views and a cookbook of queries are in
-    docs/sql-cookbook.md.
+    docs/sql-cookbook.md. On PostgreSQL, --sql runs only as a read-only role (create
+    one with rolloutlog db create-reader) unless --allow-privileged-role is given.
     """
     chosen = [
         name
@@ -210,8 +219,11 @@ def audit(
     if sql == "-":
         sql = sys.stdin.read()
     try:
-        with SqlAudit(db_url, limit=limit, timeout_s=timeout_s) as db:
+        with SqlAudit(
+            db_url, limit=limit, timeout_s=timeout_s, allow_privileged_role=allow_privileged_role
+        ) as db:
             if sql is not None:
+                db.require_reader()  # before anything else runs for the query
                 if run_id is not None or (":run_id" in sql and "run_id" not in bound):
                     # :run_id is --run, or the database's only run when --run is omitted.
                     bound.setdefault("run_id", db.resolve_run(run_id))

@@ -66,7 +66,7 @@ def audit_run(audit_url: str) -> Iterator[BuiltRun]:
             history=list(store.read_history(run.run_id)),
             all_rows=list(store.read(run.run_id)),
             segments=store.history_segments(run.run_id),
-            audit=SqlAudit(audit_url),
+            audit=SqlAudit(audit_url, allow_privileged_role=True),
         )
     finally:
         store.close()
