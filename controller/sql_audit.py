@@ -87,7 +87,8 @@ _NON_ASCII = "\x80-\U0010ffff"
 _IDENT_START = f"A-Za-z_{_NON_ASCII}"
 _IDENT_CONT = f"A-Za-z_0-9${_NON_ASCII}"
 _DOLLAR_TAG = re.compile(f"\\$(?:[{_IDENT_START}][A-Za-z_0-9{_NON_ASCII}]*)?\\$")
-_IDENT_OR_NUMBER = re.compile(f"[{_IDENT_START}][{_IDENT_CONT}]*|[0-9][{_IDENT_CONT}.]*")
+# A number ends before a '$' (``1$a$`` is 1 then a dollar quote, as in PostgreSQL).
+_IDENT_OR_NUMBER = re.compile(f"[{_IDENT_START}][{_IDENT_CONT}]*|[0-9][A-Za-z_0-9.{_NON_ASCII}]*")
 #: An unquoted identifier (or keyword) of a code segment.
 _WORD = re.compile(f"(?<![{_IDENT_CONT}])[{_IDENT_START}][{_IDENT_CONT}]*")
 _PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")

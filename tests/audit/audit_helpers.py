@@ -200,3 +200,62 @@ class BuiltRun:
     all_rows: list[StoredEvent]
     segments: list[tuple[int, int]]
     audit: SqlAudit
+
+
+def db_fingerprint(url: str) -> dict[str, object]:
+    """Every table's row count and a hash of its content, read behind the audit (plus, on
+    PostgreSQL, the large objects, advisory locks, and the roles' settings and grants)."""
+    import hashlib
+
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(url)
+    out: dict[str, object] = {}
+    try:
+        with engine.connect() as conn:
+            if engine.dialect.name == "sqlite":
+                tables = (
+                    conn.exec_driver_sql(
+                        "SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name"
+                    )
+                    .scalars()
+                    .all()
+                )
+                out["schema"] = conn.exec_driver_sql(
+                    "SELECT type, name, sql FROM sqlite_master ORDER BY type, name"
+                ).all()
+            else:
+                tables = (
+                    conn.exec_driver_sql(
+                        "SELECT quote_ident(n.nspname) || '.' || quote_ident(c.relname) "
+                        "FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                        "WHERE c.relkind IN ('r', 'p', 'v', 'm') AND n.nspname NOT IN "
+                        "('pg_catalog', 'information_schema') AND n.nspname NOT LIKE 'pg_toast%%' "
+                        "ORDER BY 1"
+                    )
+                    .scalars()
+                    .all()
+                )
+                out["large_objects"] = conn.exec_driver_sql(
+                    "SELECT count(*) FROM pg_largeobject_metadata"
+                ).scalar()
+                out["advisory_locks"] = conn.exec_driver_sql(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+                ).scalar()
+                out["role_settings"] = conn.exec_driver_sql(
+                    "SELECT r.rolname, r.rolsuper, r.rolcreaterole, s.setconfig FROM pg_roles r "
+                    "LEFT JOIN pg_db_role_setting s ON s.setrole = r.oid ORDER BY 1"
+                ).all()
+                out["grants"] = conn.exec_driver_sql(
+                    "SELECT relname, relacl::text FROM pg_class WHERE relnamespace = "
+                    "'public'::regnamespace ORDER BY 1"
+                ).all()
+            for table in tables:
+                rows = conn.exec_driver_sql(f"SELECT * FROM {table}").all()
+                digest = hashlib.sha256(
+                    "\n".join(sorted(repr(tuple(r)) for r in rows)).encode()
+                ).hexdigest()
+                out[table] = (len(rows), digest)
+    finally:
+        engine.dispose()
+    return out

@@ -74,3 +74,39 @@ def audit_run(audit_url: str) -> Iterator[BuiltRun]:
         yield built
     finally:
         built.audit.close()
+
+
+def drop_role(admin_url: str, role: str) -> None:
+    """Drop a role made by a test, with its grants in the database ``admin_url`` names."""
+    engine = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            exists = conn.exec_driver_sql(
+                "SELECT 1 FROM pg_roles WHERE rolname = %(r)s", {"r": role}
+            ).first()
+            if exists:
+                conn.exec_driver_sql(f'DROP OWNED BY "{role}"')
+                conn.exec_driver_sql(f'DROP ROLE "{role}"')
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture
+def reader_role(audit_run: BuiltRun) -> Iterator[tuple[str, str]]:
+    """``(reader URL, role)``: a reader role made by ``rolloutlog db create-reader`` on the
+    scripted run's PostgreSQL database (a unique name, dropped after the test)."""
+    if audit_run.dialect != "postgresql":
+        pytest.skip("reader roles are PostgreSQL's")
+    from click.testing import CliRunner
+
+    from controller.cli import main
+
+    role = f"rl_reader_{uuid.uuid4().hex[:12]}"
+    try:
+        result = CliRunner().invoke(
+            main, ["db", "create-reader", audit_run.url, "--role", role], catch_exceptions=False
+        )
+        assert result.exit_code == 0, result.output
+        yield result.stdout.strip(), role
+    finally:
+        drop_role(audit_run.url, role)

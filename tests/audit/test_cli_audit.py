@@ -28,6 +28,15 @@ def as_json(*args: str, input: str | None = None) -> list[dict[str, Any]]:
     return rows
 
 
+@pytest.fixture
+def sql_url(audit_run: BuiltRun, request: pytest.FixtureRequest) -> str:
+    """The URL ``--sql`` runs on: the SQLite file, or a reader role's URL on PostgreSQL."""
+    if audit_run.dialect == "sqlite":
+        return audit_run.url
+    url, _role = request.getfixturevalue("reader_role")
+    return str(url)
+
+
 def test_help_lists_the_queries() -> None:
     result = cli("audit", "--help")
     assert result.exit_code == 0
@@ -99,28 +108,30 @@ def test_step_dropped_staleness_recovery(audit_run: BuiltRun) -> None:
         assert table.exit_code == 0 and b.run.run_id in table.output, flag
 
 
-def test_sql(audit_run: BuiltRun) -> None:
+def test_sql(audit_run: BuiltRun, sql_url: str) -> None:
     b = audit_run
     sql = (
         "SELECT prompt_index, train_step FROM prompt_outcomes "
         "WHERE run_id = :run_id AND prompt_index = :prompt_index"
     )
-    rows = as_json("audit", b.url, "--run", b.run.run_id, "--sql", sql, "--param", "prompt_index=5")
+    rows = as_json(
+        "audit", sql_url, "--run", b.run.run_id, "--sql", sql, "--param", "prompt_index=5"
+    )
     assert rows == [{"prompt_index": 5, "train_step": b.ledger.step_of_prompt[5][0]}]
-    from_stdin = as_json("audit", b.url, "--run", b.run.run_id, "--sql", "-",
+    from_stdin = as_json("audit", sql_url, "--run", b.run.run_id, "--sql", "-",
                          "--param", "prompt_index=5", input=sql)  # fmt: skip
     assert from_stdin == rows
-    table = cli("audit", b.url, "--sql", "SELECT COUNT(*) AS n FROM history_events")
+    table = cli("audit", sql_url, "--sql", "SELECT COUNT(*) AS n FROM history_events")
     assert table.exit_code == 0 and str(len(b.history)) in table.output
-    cut = cli("audit", b.url, "--sql", "SELECT seq FROM events", "--limit", "3", "--json")
+    cut = cli("audit", sql_url, "--sql", "SELECT seq FROM events", "--limit", "3", "--json")
     assert cut.exit_code == 0 and len(json.loads(cut.stdout)) == 3
     assert "truncated to 3 rows" in cut.stderr
 
 
-def test_refused_writes_change_nothing(audit_run: BuiltRun) -> None:
+def test_refused_writes_change_nothing(audit_run: BuiltRun, sql_url: str) -> None:
     b = audit_run
     before = as_json("audit", b.url)
-    result = cli("audit", b.url, "--sql", "DELETE FROM events")
+    result = cli("audit", sql_url, "--sql", "DELETE FROM events")
     assert result.exit_code == 1
     assert "only a single SELECT or WITH query" in result.stderr
     hidden = (
@@ -128,29 +139,29 @@ def test_refused_writes_change_nothing(audit_run: BuiltRun) -> None:
         if b.dialect == "sqlite"
         else "WITH d AS (DELETE FROM events RETURNING seq) SELECT COUNT(*) FROM d"
     )
-    result = cli("audit", b.url, "--sql", hidden)
+    result = cli("audit", sql_url, "--sql", hidden)
     assert result.exit_code == 1
     assert "read-only" in result.stderr and "nothing was changed" in result.stderr
-    result = cli("audit", b.url, "--sql", "SELECT 1; DROP TABLE events")
+    result = cli("audit", sql_url, "--sql", "SELECT 1; DROP TABLE events")
     assert result.exit_code == 1 and "only one statement" in result.stderr
     assert as_json("audit", b.url) == before
 
 
-def test_errors(audit_run: BuiltRun, tmp_path: Path) -> None:
+def test_errors(audit_run: BuiltRun, sql_url: str, tmp_path: Path) -> None:
     b = audit_run
     result = cli("audit", b.url, "--run", "nope", "--dropped")
     assert result.exit_code == 1
     assert "no run 'nope'" in result.stderr and b.run.run_id in result.stderr
     # Without --run, :run_id is the database's only run.
-    result = cli("audit", b.url, "--sql", "SELECT * FROM runs WHERE run_id = :run_id")
+    result = cli("audit", sql_url, "--sql", "SELECT * FROM runs WHERE run_id = :run_id")
     assert result.exit_code == 0 and b.run.run_id in result.stdout
-    result = cli("audit", b.url, "--sql", "SELECT * FROM runs WHERE run_id = :other")
+    result = cli("audit", sql_url, "--sql", "SELECT * FROM runs WHERE run_id = :other")
     assert result.exit_code == 1 and "--param other=VALUE" in result.stderr
-    result = cli("audit", b.url, "--sql", "SELECT no_such FROM runs")
+    result = cli("audit", sql_url, "--sql", "SELECT no_such FROM runs")
     assert result.exit_code == 1 and "query failed" in result.stderr
     result = cli("audit", b.url, "--dropped", "--staleness")
     assert result.exit_code == 2 and "choose one query" in result.stderr
-    result = cli("audit", b.url, "--sql", "SELECT 1", "--param", "oops")
+    result = cli("audit", sql_url, "--sql", "SELECT 1", "--param", "oops")
     assert result.exit_code == 2 and "NAME=VALUE" in result.stderr
     result = cli("audit", b.url, "--param", "a=1")
     assert result.exit_code == 2
