@@ -4,16 +4,20 @@ The views (created by the alembic revision ``0002_audit_views``, documented in
 ``docs/sql-cookbook.md``) hold each run's *current history* only: events a restore
 abandoned appear in ``abandoned_events`` and nowhere else.
 
-:class:`SqlAudit` opens the log read-only and runs one ``SELECT`` per transaction. User
-SQL (:meth:`SqlAudit.select`) is refused unless it is a single ``SELECT`` / ``WITH``
-statement, and read-only is also enforced by the database itself, so a write hidden
-where the text check cannot see it (a data-modifying CTE, ``SELECT ... INTO``, a
-function) fails too and changes nothing:
+:class:`SqlAudit` opens the log read-only and runs one query per transaction, read-only
+by construction (``docs/sql-cookbook.md``, "Read-only by construction"):
 
-* SQLite: the file is opened with ``mode=ro`` and every connection has
-  ``PRAGMA query_only = ON``;
-* PostgreSQL: the session has ``default_transaction_read_only = on`` and every query
-  runs in a transaction opened with ``SET TRANSACTION READ ONLY``.
+* PostgreSQL: user SQL (:meth:`SqlAudit.select`) runs only as a reader role (see
+  :func:`role_problems`; ``rolloutlog db create-reader`` makes one) unless
+  ``allow_privileged_role``; it is sent as one prepared statement (the extended protocol:
+  the server refuses a second statement), in a ``SET TRANSACTION READ ONLY`` transaction
+  that one statement cannot end, with ``statement_timeout``, on a connection discarded
+  afterwards;
+* SQLite: the file is opened ``mode=ro`` with ``PRAGMA query_only = ON``, and an
+  authorizer allows ``SELECT``, column reads and :data:`SQLITE_FUNCTIONS` only;
+* both: :func:`check_select`, a lexer that follows PostgreSQL's rules, refuses anything
+  but one ``SELECT`` / ``WITH`` statement and functions with side effects, with clear
+  messages.
 
 Parameters are written ``:name`` (``:run_id``, ``:prompt_index``...) on both dialects.
 """

@@ -115,7 +115,8 @@ _URL_HELP = "URL is sqlite:///PATH or postgresql+psycopg://USER@HOST:PORT/DB."
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def db() -> None:
-    """Create, check, upgrade and downgrade the log's database schema.
+    """Create, check, upgrade and downgrade the log's database schema; create-reader
+    makes a PostgreSQL role that can only read the log.
 
     Exit status: 0 success, 1 schema not at the expected revision, 2 error (bad URL,
     unreachable database, unknown revision).
