@@ -259,3 +259,20 @@ def db_fingerprint(url: str) -> dict[str, object]:
     finally:
         engine.dispose()
     return out
+
+
+def drop_role(admin_url: str, role: str) -> None:
+    """Drop a role made by a test, with its grants in the database ``admin_url`` names."""
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            exists = conn.exec_driver_sql(
+                "SELECT 1 FROM pg_roles WHERE rolname = %(r)s", {"r": role}
+            ).first()
+            if exists:
+                conn.exec_driver_sql(f'DROP OWNED BY "{role}"')
+                conn.exec_driver_sql(f'DROP ROLE "{role}"')
+    finally:
+        engine.dispose()

@@ -25,7 +25,7 @@ _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
-from audit_helpers import BuiltRun, build_audit_run  # noqa: E402
+from audit_helpers import BuiltRun, build_audit_run, drop_role  # noqa: E402
 
 
 @pytest.fixture(
@@ -74,21 +74,6 @@ def audit_run(audit_url: str) -> Iterator[BuiltRun]:
         yield built
     finally:
         built.audit.close()
-
-
-def drop_role(admin_url: str, role: str) -> None:
-    """Drop a role made by a test, with its grants in the database ``admin_url`` names."""
-    engine = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT")
-    try:
-        with engine.connect() as conn:
-            exists = conn.exec_driver_sql(
-                "SELECT 1 FROM pg_roles WHERE rolname = %(r)s", {"r": role}
-            ).first()
-            if exists:
-                conn.exec_driver_sql(f'DROP OWNED BY "{role}"')
-                conn.exec_driver_sql(f'DROP ROLE "{role}"')
-    finally:
-        engine.dispose()
 
 
 @pytest.fixture

@@ -20,9 +20,8 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 import sqlalchemy as sa
-from audit_helpers import BuiltRun
+from audit_helpers import BuiltRun, drop_role
 from click.testing import CliRunner, Result
-from conftest import drop_role
 
 from controller.cli import main
 from controller.sql_audit import role_problems
