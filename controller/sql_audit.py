@@ -25,7 +25,6 @@ Parameters are written ``:name`` (``:run_id``, ``:prompt_index``...) on both dia
 from __future__ import annotations
 
 import base64
-import contextlib
 import re
 import sqlite3
 import time
@@ -787,11 +786,18 @@ class SqlAudit:
         """
         statement = check_select(sql) if check else sql
         self.require_reader()
-        return self._query(statement, params, limit=limit)
+        return self._query(statement, params, limit=limit, user=True)
 
     def _query(
-        self, statement: str, params: Mapping[str, Any] | None = None, *, limit: int | None = -1
+        self,
+        statement: str,
+        params: Mapping[str, Any] | None = None,
+        *,
+        limit: int | None = -1,
+        user: bool = False,
     ) -> QueryResult:
+        """Run ``statement`` read-only. ``user``: SQL from outside rolloutlog, which on
+        PostgreSQL is always prepared (one statement) and whose connection is discarded."""
         names = param_names(statement)
         given = dict(params or {})
         missing = [n for n in names if n not in given]
@@ -803,7 +809,7 @@ class SqlAudit:
             )
         bound = {n: given[n] for n in names}
         cap = self.limit if limit == -1 else limit
-        guard = self._connection()
+        guard = _ReadOnlyTransaction(self, discard=user)
         with guard as conn:
             raw_conn = conn.connection.dbapi_connection
             assert raw_conn is not None
@@ -817,7 +823,7 @@ class SqlAudit:
                     # server accepts exactly one statement; without parameters psycopg
                     # would use the simple protocol, which runs a whole script.
                     text = _to_pyformat(statement) if bound else statement
-                    cur.execute(text, bound or None, prepare=True)
+                    cur.execute(text, bound or None, prepare=True if user else None)
                 if cur.description is None:
                     raise QueryRefusedError("the statement returned no rows: not a query")
                 columns = [d[0] for d in cur.description]
@@ -841,9 +847,6 @@ class SqlAudit:
         """The driver's base exception class (``sqlite3.Error``, ``psycopg.Error``)."""
         error: type[Exception] = self.store.engine.dialect.loaded_dbapi.Error
         return error
-
-    def _connection(self) -> _ReadOnlyTransaction:
-        return _ReadOnlyTransaction(self)
 
     def _translate(self, exc: BaseException, denied: list[str] | None = None) -> AuditError:
         orig = exc.orig if isinstance(exc, sa.exc.DBAPIError) else exc
@@ -887,12 +890,13 @@ class _ReadOnlyTransaction:
     SQLite: ``PRAGMA query_only`` on a file opened ``mode=ro``, and an authorizer that
     allows reads only. PostgreSQL: ``SET TRANSACTION READ ONLY`` (the query runs as one
     prepared statement, so it cannot end the transaction) with ``statement_timeout``;
-    the connection is discarded afterwards, so no session state a query might leave
-    (settings, locks, prepared statements) outlives it.
+    with ``discard`` (user SQL) the connection is discarded afterwards, so no session
+    state a query might leave (settings, locks, prepared statements) outlives it.
     """
 
-    def __init__(self, audit: SqlAudit) -> None:
+    def __init__(self, audit: SqlAudit, *, discard: bool) -> None:
         self.audit = audit
+        self.discard = discard
         self._conn: Connection | None = None
         self.denied: list[str] = []
 
@@ -942,8 +946,11 @@ class _ReadOnlyTransaction:
                         raw.set_progress_handler(None, 0)
                 conn.rollback()
             else:
-                with contextlib.suppress(sa.exc.DBAPIError):  # discarded below anyway
+                try:
                     conn.rollback()
-                conn.invalidate()
+                except sa.exc.DBAPIError:
+                    self.discard = True  # a broken connection never goes back to the pool
+                if self.discard:
+                    conn.invalidate()
         finally:
             conn.close()
