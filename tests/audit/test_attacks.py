@@ -221,3 +221,17 @@ def test_generated_queries_only_read(
         except AuditError as exc:
             assert "\n" not in str(exc)
     assert db_fingerprint(audit_run.url) == before
+
+
+def test_no_session_state_outlives_a_query(audit_run: BuiltRun, target: tuple[str, bool]) -> None:
+    """Locks and settings a query takes on its session end with it (PostgreSQL discards
+    the connection of every user query), even while the audit stays open."""
+    if audit_run.dialect != "postgresql":
+        pytest.skip("PostgreSQL sessions")
+    url, override = target
+    with SqlAudit(url, allow_privileged_role=override) as audit:
+        audit.select("SELECT pg_advisory_lock(42)", check=False)
+        audit.select("SELECT set_config('application_name', 'changed', false)", check=False)
+        assert db_fingerprint(audit_run.url)["advisory_locks"] == 0
+        got = audit.select("SELECT current_setting('application_name') AS a").rows
+        assert got != [{"a": "changed"}]
