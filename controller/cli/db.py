@@ -22,7 +22,6 @@ import click
 import sqlalchemy as sa
 from alembic.script import ScriptDirectory
 from alembic.util import CommandError
-from psycopg import sql as pgsql
 from sqlalchemy.engine import Connection, Engine
 
 from eventstore import migrate
@@ -306,8 +305,10 @@ def _setup_reader(
     _ddl(conn, f"{verb} ROLE {q} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOINHERIT "
                "NOREPLICATION NOBYPASSRLS")  # fmt: skip
     if password is not None:
+        from psycopg import sql as pgsql  # PostgreSQL only: psycopg is an optional extra
+
         raw = conn.connection.dbapi_connection
-        literal = pgsql.Literal(password).as_string(raw)  # type: ignore[arg-type]
+        literal = pgsql.Literal(password).as_string(raw)
         _ddl(conn, f"ALTER ROLE {q} PASSWORD {literal}")
     # Session defaults of the role: read-only transactions and a bounded statement time.
     _ddl(conn, f"ALTER ROLE {q} SET default_transaction_read_only = on")
