@@ -290,3 +290,23 @@ def test_read_commands_work_as_the_reader(
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
     assert proc.returncode == 0, proc.stderr.read() if proc.stderr else ""
+
+
+def test_role_problems_follow_memberships(pg_url: str, roles: list[str]) -> None:
+    """A role is judged with every role it can SET ROLE to (whatever INHERIT), and
+    membership in a predefined role that reaches other sessions or server files counts."""
+    with EventStore.open(pg_url):
+        pass
+    writers, member, signaller = new_role(roles), new_role(roles), new_role(roles)
+    engine = admin(pg_url)
+    with engine.connect() as conn:
+        conn.exec_driver_sql(f'CREATE ROLE "{writers}"')
+        conn.exec_driver_sql(f'GRANT DELETE ON events TO "{writers}"')
+        conn.exec_driver_sql(f'CREATE ROLE "{member}" LOGIN NOINHERIT IN ROLE "{writers}"')
+        conn.exec_driver_sql(f'CREATE ROLE "{signaller}" LOGIN IN ROLE pg_signal_backend')
+        assert role_problems(conn, member) == [
+            f"can write to events through its membership in {writers!r}"
+        ]
+        assert role_problems(conn, signaller) == ["is a member of pg_signal_backend"]
+        assert role_problems(conn, "postgres") == ["is a superuser"]
+    engine.dispose()
