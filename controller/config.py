@@ -81,6 +81,11 @@ class StoreConfig(BaseModel):
     snapshot_interval: int = Field(
         50_000, ge=0, description="Events between state snapshots (0: never snapshot)."
     )
+    require_stored_payloads: bool = Field(
+        True,
+        description="Refuse a CompleteSibling whose payload is neither put with it nor "
+        "stored (false: skip the check, for synthetic benchmarks that store no payloads).",
+    )
 
 
 class TelemetryConfig(BaseModel):
