@@ -625,26 +625,26 @@ def _check_cursors(state: RunState, marker: CheckpointMarked, offset: int) -> No
 
 
 def _descendant_rows(store: EventStore, run_id: str, offset: int) -> Iterator[StoredEvent]:
-    """Rows recorded after ``offset`` by histories that continue from it.
+    """Rows recorded after ``offset`` by every branch that continues from it.
 
-    When ``offset`` lies in the current history, that is the rest of the current history.
-    When a later restore abandoned the branch ``offset`` lies on, only the epoch that wrote
-    ``offset`` continued from it (its rows after ``offset``): rows of other branches were
-    generated from another state, possibly by other weights under the same version number.
+    A row continues from ``offset`` when ``offset`` lies on the history that led to the
+    row: rows of the epoch that wrote ``offset`` (after it), and rows of every epoch that
+    resumed at ``offset`` or continued a branch that did, including branches that later
+    restores abandoned (a restore that died after opening its epoch abandons nothing of
+    value). Rows of other branches were generated from another state, possibly by other
+    weights under the same version number, and are left out.
     """
-    current = store.history_segments(run_id)
-    if any(first <= offset <= last for first, last in current):
-        for first, last in current:
-            if last > offset:
-                yield from store.read(run_id, max(first, offset + 1), last)
-        return
-    at = next(iter(store.read(run_id, offset, offset)), None)
-    if at is None:
-        return
+    epoch: int | None = None
+    keep = False
     for row in store.read(run_id, offset + 1):
-        if row.epoch != at.epoch:
-            return  # an epoch writes one contiguous range: its continuation ends here
-        yield row
+        if row.epoch != epoch:
+            # An epoch writes one contiguous range: the history that led to its first row
+            # after ``offset`` answers for all of them.
+            epoch = row.epoch
+            segments = store.history_segments(run_id, row.seq)
+            keep = any(first <= offset <= last for first, last in segments)
+        if keep:
+            yield row
 
 
 def _salvageable(store: EventStore, run_id: str, offset: int) -> tuple[SalvagedCompletion, ...]:
