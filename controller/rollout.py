@@ -560,9 +560,19 @@ class RolloutController:
 def _check_fingerprint(
     info: RunInfo, rollout: RolloutConfig | None, dataset_fp: str | None, force: bool
 ) -> None:
-    if rollout is None or force:
+    if force:
         return
     stored = json.loads(info.config_json)
+    if rollout is None:
+        # Without the rollout rules, the dataset alone can still be compared.
+        run_dataset = stored.get("dataset_fingerprint")
+        if dataset_fp is not None and dataset_fp != run_dataset:
+            raise RestoreError(
+                f"dataset fingerprint mismatch for run {info.run_id!r}: the run was started "
+                f"with dataset {run_dataset!r}, this restore gives {dataset_fp!r}; restore "
+                "with the run's own dataset, or force"
+            )
+        return
     expected = run_fingerprint(
         rollout, dataset_fp if dataset_fp is not None else stored["dataset_fingerprint"]
     )
