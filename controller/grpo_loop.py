@@ -185,6 +185,19 @@ async def run_training(
     """Train ``cfg.steps`` steps of GRPO on the toy task (resuming from the newest
     model checkpoint and its rollout offset when ``resume``)."""
     emit = progress or (lambda _msg: None)
+    if resume:
+        done = latest_checkpoint(cfg, run_id)
+        if done is not None and done.train_step >= cfg.steps:
+            # A restore would open a new epoch for nothing: say so and write nothing.
+            emit(
+                {
+                    "event": "nothing_to_train",
+                    "checkpoint": str(done.path),
+                    "train_step": done.train_step,
+                    "steps": cfg.steps,
+                }
+            )
+            return TrainingResult(run_id, done.train_step, 0, {}, None)
     torch.manual_seed(cfg.seed)
     model_dir = build_tiny_model(
         Path(cfg.model.dir),

@@ -43,7 +43,7 @@ from .domain.events import (
     WeightsPublished,
 )
 from .domain.state import Phase, RunState
-from .rollout import iter_history, replay
+from .rollout import _check_cursors, iter_history, replay
 
 _ALWAYS_LEADS = {
     "RunStarted",
@@ -267,7 +267,8 @@ class CheckResult:
 
 
 def check_history(store: EventStore, run_id: str, to_seq: int | None = None) -> CheckResult:
-    """Replay from the start, checking every invariant after every decision."""
+    """Replay from the start, checking every invariant after every decision, and at
+    every checkpoint marker the recorded cursors that a restore to it would check."""
     state = RunState()
     events = decisions = 0
     for decision in split_decisions(iter_history(store, run_id, to_seq)):
@@ -278,7 +279,13 @@ def check_history(store: EventStore, run_id: str, to_seq: int | None = None) -> 
                 return CheckResult(events, decisions, _violation(store, run_id, row, event, exc))
             events += 1
         decisions += 1
-        found = find_violations(state)
+        found: list[DomainError] = list(find_violations(state))
+        if not found and isinstance(decision.leader, CheckpointMarked):
+            # What restore checks before restoring to this checkpoint, checked here too.
+            try:
+                _check_cursors(state, decision.leader, decision.offset)
+            except DomainError as exc:
+                found = [exc]
         if found:
             return CheckResult(
                 events,

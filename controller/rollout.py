@@ -15,19 +15,30 @@ import logging
 import threading
 import time
 import zlib
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Literal
 
-from eventstore import EventStore, GroupCommitter, PayloadPut, RunInfo, StoredEvent
+from eventstore import (
+    EventStore,
+    GroupCommitClosedError,
+    GroupCommitter,
+    PayloadNotFoundError,
+    PayloadPut,
+    RunInfo,
+    StoredEvent,
+    StoreError,
+)
 from eventstore.compaction import check_replayable
 
 from .config import RolloutConfig, StoreConfig, fingerprint
 from .domain import CODEC, decide, evolve, find_violations
 from .domain.commands import (
     Command,
+    CompleteSibling,
     EvictStale,
     MarkCheckpoint,
     Restore,
@@ -35,12 +46,19 @@ from .domain.commands import (
     SalvagedCompletion,
     StartRun,
 )
-from .domain.errors import CursorBehindError, RestoreError
+from .domain.errors import CursorBehindError, RestoreError, UnknownPayloadError
 from .domain.events import CheckpointMarked, RolloutEvent, SiblingCompleted
 from .domain.invariants import check_invariants
 from .domain.state import RunState
 
 log = logging.getLogger(__name__)
+
+
+class ControllerFailedError(GroupCommitClosedError):
+    """The controller stopped after a failed append or apply; its ``__cause__`` is the
+    original error. A :class:`GroupCommitClosedError` (a :class:`StoreError`), so code
+    that handles a closed committer handles it. Open or restore the run to go on."""
+
 
 SNAPSHOT_SCHEMA_VERSION = 1
 Clock = Callable[[], datetime]
@@ -182,8 +200,12 @@ class RolloutController:
         self.snapshot_failures = 0
         self.snapshots_written = 0
         self._lock = threading.RLock()
-        #: Called with the (offset, event) pairs of every executed command.
+        #: Called with the (offset, event) pairs of every executed command, once they
+        #: are durable (in log order; events that never became durable are never passed).
         self.listeners: list[Callable[[list[tuple[int, RolloutEvent]]], None]] = []
+        self._undelivered: deque[list[tuple[int, RolloutEvent]]] = deque()
+        self._deliver_lock = threading.RLock()
+        self._failure: BaseException | None = None
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -346,40 +368,126 @@ class RolloutController:
     def execute(
         self, command: Command, payload_puts: tuple[PayloadPut, ...] = ()
     ) -> list[tuple[int, RolloutEvent]]:
-        """Decide, append (group commit), apply. Returns the (offset, event) pairs.
+        """Decide, apply, append (group commit). Returns the (offset, event) pairs.
 
-        The events are durable only after the next :meth:`flush`.
+        The events are durable only after the next :meth:`flush`. All of a command's
+        events are applied before any is queued, so an ``evolve`` error queues nothing;
+        it, or a failed append, marks the controller failed: its state may be ahead of
+        the log, so every later command raises :class:`ControllerFailedError`.
+        Listeners see the events once they are durable (see :attr:`listeners`).
         """
         with self._lock:
+            self._raise_if_failed()
             events = decide(self.state, command)
             if not events:
                 return []
+            if isinstance(command, CompleteSibling) and self.store_config.require_stored_payloads:
+                self._check_payload(command.payload_id, payload_puts)
             now = self.clock()
-            rows = []
             ts, wv = self.state.train_step, self.state.weight_version
-            for ev in events:
-                rows.append(CODEC.encode(ev, recorded_at=now, train_step=ts, weight_version=wv))
-            last = self.committer.submit(rows, payload_puts)
-            first = last - len(rows) + 1
-            applied = []
-            for i, ev in enumerate(events):
-                evolve(self.state, ev, first + i)
-                applied.append((first + i, ev))
-            self._maybe_snapshot()
-        for listener in self.listeners:
+            rows = [
+                CODEC.encode(ev, recorded_at=now, train_step=ts, weight_version=wv) for ev in events
+            ]
+            # Only this controller submits to its committer (under this lock), so the
+            # offsets it will assign are known before anything is queued.
+            first = self.committer.next_seq
+            applied = [(first + i, ev) for i, ev in enumerate(events)]
             try:
-                listener(applied)
-            except Exception:  # telemetry must never kill a run
-                log.exception("event listener failed")
+                for seq, ev in applied:
+                    evolve(self.state, ev, seq)
+            except BaseException as exc:
+                # The state is half-way through the command: nothing may follow it.
+                self._mark_failed(exc)
+                raise
+            try:
+                last = self.committer.submit(rows, payload_puts)
+            except BaseException as exc:
+                self._mark_failed(exc)
+                raise
+            if last != applied[-1][0]:  # pragma: no cover - a committer shared by mistake
+                err = RuntimeError(
+                    f"run {self.run_id!r}: the committer assigned offsets up to {last}, "
+                    f"expected {applied[-1][0]} (another writer on this committer?)"
+                )
+                self._mark_failed(err)
+                raise err
+            self._undelivered.append(applied)
+            self._maybe_snapshot()
+        self._deliver_durable()
         return applied
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The error that stopped this controller (a failed append or apply), if any."""
+        return self._failure
+
+    def _mark_failed(self, exc: BaseException) -> None:
+        with self._lock:
+            if self._failure is None:
+                self._failure = exc
+                log.error(
+                    "controller of run %r failed; it accepts no more commands: %s", self.run_id, exc
+                )
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise ControllerFailedError(
+                f"the controller of run {self.run_id!r} failed earlier and accepts no more "
+                f"commands ({type(self._failure).__name__}: {self._failure}); open or restore "
+                "the run from its log"
+            ) from self._failure
+
+    def _check_payload(self, payload_id: str, payload_puts: tuple[PayloadPut, ...]) -> None:
+        """Refuse a completion whose payload is neither put with it nor stored."""
+        if any(p.payload_id == payload_id for p in payload_puts):
+            return
+        for attempt in range(2):
+            try:
+                self.store.get_payload(self.run_id, payload_id)
+                return
+            except PayloadNotFoundError:
+                if attempt:
+                    break
+                # It may have been put with an earlier command that is not durable yet.
+                self.flush()
+        raise UnknownPayloadError(
+            f"run {self.run_id!r}: payload {payload_id!r} is not stored; pass its bytes as a "
+            "PayloadPut with the command that first names it"
+        )
+
+    def _deliver_durable(self) -> None:
+        """Hand listeners the events of every executed command that is now durable."""
+        with self._deliver_lock:
+            durable = self.committer.durable_seq
+            while self._undelivered and self._undelivered[0][-1][0] <= durable:
+                applied = self._undelivered.popleft()
+                for listener in list(self.listeners):
+                    try:
+                        listener(applied)
+                    except Exception:  # telemetry must never kill a run
+                        log.exception("event listener failed")
 
     def flush(self) -> int:
         """Block until every executed command's events are durable; return that offset."""
-        return self.committer.flush()
+        try:
+            durable = self.committer.flush()
+        except StoreError as exc:
+            self._mark_failed(exc)
+            self._deliver_durable()
+            raise
+        self._deliver_durable()
+        return durable
 
     async def aflush(self) -> int:
         """Await durability of every executed command's events."""
-        return await self.committer.aflush()
+        try:
+            durable = await self.committer.aflush()
+        except StoreError as exc:
+            self._mark_failed(exc)
+            self._deliver_durable()
+            raise
+        self._deliver_durable()
+        return durable
 
     def checkpoint(self, train_step: int) -> int:
         """Mark a checkpoint after ``train_step`` trained steps; return its durable offset."""
@@ -444,6 +552,7 @@ class RolloutController:
         """Flush, finish the pending snapshot and stop the commit thread."""
         try:
             self.committer.close()
+            self._deliver_durable()
         finally:
             self._snapshots.shutdown(wait=True)
 
@@ -451,9 +560,19 @@ class RolloutController:
 def _check_fingerprint(
     info: RunInfo, rollout: RolloutConfig | None, dataset_fp: str | None, force: bool
 ) -> None:
-    if rollout is None or force:
+    if force:
         return
     stored = json.loads(info.config_json)
+    if rollout is None:
+        # Without the rollout rules, the dataset alone can still be compared.
+        run_dataset = stored.get("dataset_fingerprint")
+        if dataset_fp is not None and dataset_fp != run_dataset:
+            raise RestoreError(
+                f"dataset fingerprint mismatch for run {info.run_id!r}: the run was started "
+                f"with dataset {run_dataset!r}, this restore gives {dataset_fp!r}; restore "
+                "with the run's own dataset, or force"
+            )
+        return
     expected = run_fingerprint(
         rollout, dataset_fp if dataset_fp is not None else stored["dataset_fingerprint"]
     )
@@ -516,26 +635,26 @@ def _check_cursors(state: RunState, marker: CheckpointMarked, offset: int) -> No
 
 
 def _descendant_rows(store: EventStore, run_id: str, offset: int) -> Iterator[StoredEvent]:
-    """Rows recorded after ``offset`` by histories that continue from it.
+    """Rows recorded after ``offset`` by every branch that continues from it.
 
-    When ``offset`` lies in the current history, that is the rest of the current history.
-    When a later restore abandoned the branch ``offset`` lies on, only the epoch that wrote
-    ``offset`` continued from it (its rows after ``offset``): rows of other branches were
-    generated from another state, possibly by other weights under the same version number.
+    A row continues from ``offset`` when ``offset`` lies on the history that led to the
+    row: rows of the epoch that wrote ``offset`` (after it), and rows of every epoch that
+    resumed at ``offset`` or continued a branch that did, including branches that later
+    restores abandoned (a restore that died after opening its epoch abandons nothing of
+    value). Rows of other branches were generated from another state, possibly by other
+    weights under the same version number, and are left out.
     """
-    current = store.history_segments(run_id)
-    if any(first <= offset <= last for first, last in current):
-        for first, last in current:
-            if last > offset:
-                yield from store.read(run_id, max(first, offset + 1), last)
-        return
-    at = next(iter(store.read(run_id, offset, offset)), None)
-    if at is None:
-        return
+    epoch: int | None = None
+    keep = False
     for row in store.read(run_id, offset + 1):
-        if row.epoch != at.epoch:
-            return  # an epoch writes one contiguous range: its continuation ends here
-        yield row
+        if row.epoch != epoch:
+            # An epoch writes one contiguous range: the history that led to its first row
+            # after ``offset`` answers for all of them.
+            epoch = row.epoch
+            segments = store.history_segments(run_id, row.seq)
+            keep = any(first <= offset <= last for first, last in segments)
+        if keep:
+            yield row
 
 
 def _salvageable(store: EventStore, run_id: str, offset: int) -> tuple[SalvagedCompletion, ...]:

@@ -22,7 +22,7 @@ BackendKind = Literal["torch", "vllm", "deterministic"]
 class ModelConfig(BaseModel):
     """The tiny policy built locally (no hub access)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     dir: str = Field("runs/tiny-model", description="Where the tiny model is built and read.")
     seed: int = Field(0, ge=0, description="Seed of the initial weights.")
@@ -32,7 +32,7 @@ class ModelConfig(BaseModel):
 class RunConfig(BaseModel):
     """One training run: rollout rules, log, generation, task, trainer, schedule."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     run_id: str | None = Field(None, description="Run id in the log (default: generated).")
     steps: int = Field(30, ge=1, description="Train steps to run.")

@@ -539,7 +539,8 @@ def build_buffered_run(
         rollout,
         dataset_fingerprint=DATASET_FINGERPRINT,
         dataset_size=groups,
-        store_config=StoreConfig(url=url, snapshot_interval=0),
+        # Synthetic completions name payloads without storing them (domain cost only).
+        store_config=StoreConfig(url=url, snapshot_interval=0, require_stored_payloads=False),
     )
     while admission_blocker(ctl.state) is None:
         ctl.execute(AdmitStep())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 import click
 
@@ -22,6 +23,22 @@ _COMMANDS: dict[str, tuple[str, str]] = {
 
 
 class _LazyGroup(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        """Run the subcommand; an unexpected error becomes one clear line and exit 1
+        (``--debug`` or ``ROLLOUTLOG_DEBUG=1`` keeps the traceback)."""
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.ClickException, click.Abort):
+            raise
+        except Exception as exc:
+            if ctx.params.get("debug"):
+                raise
+            first = str(exc).strip().splitlines()
+            detail = f": {first[0]}" if first else ""
+            raise click.ClickException(
+                f"{type(exc).__name__}{detail} (run with --debug for the traceback)"
+            ) from exc
+
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(set(super().list_commands(ctx)) | set(_COMMANDS))
 
@@ -34,5 +51,11 @@ class _LazyGroup(click.Group):
 
 @click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="rolloutlog")
-def main() -> None:
+@click.option(
+    "--debug",
+    is_flag=True,
+    envvar="ROLLOUTLOG_DEBUG",
+    help="Show the traceback of an unexpected error (default: one line, exit 1).",
+)
+def main(debug: bool) -> None:
     """rolloutlog: an event-sourced rollout log for asynchronous RL post-training."""

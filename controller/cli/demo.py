@@ -196,7 +196,13 @@ def run(config: Path, run_id: str | None, resume: bool, as_json: bool) -> None:
         if isinstance(exc, StoreError | DomainError | BackendError):
             raise click.ClickException(str(exc)) from exc
         raise
-    if not as_json:
+    if not as_json and result.steps_trained == 0:
+        click.echo(
+            f"run {rid}: nothing left to train: its newest checkpoint is at step "
+            f"{result.first_step} and the config trains {cfg.steps} steps (raise steps to "
+            "go on); nothing was written"
+        )
+    elif not as_json:
         click.echo(
             f"run {rid}: trained steps {result.first_step}.."
             f"{result.first_step + result.steps_trained - 1}"

@@ -35,6 +35,10 @@ class StepOutOfOrderError(IllegalTransitionError):
     """A train step, batch or checkpoint names a step other than the next one."""
 
 
+class UnknownPayloadError(DomainError):
+    """A command names a payload that is neither stored nor stored with the command."""
+
+
 class RunFailedError(DomainError):
     """The drop policy ``fail`` stopped the run."""
 

@@ -181,28 +181,33 @@ class ProjectionFollower:
 
 
 class _ClockTap:
-    """Wraps a controller's clock to remember, per thread, the metadata the controller
-    stamps on the rows of the command being executed (the clock is read once per
-    command, right before the rows are built from the same state)."""
+    """Wraps a controller's clock to remember the metadata the controller stamps on the
+    rows of the command being executed (the clock is read once per command, right
+    before the rows are built from the same state), keyed by the command's first offset:
+    the controller hands its events to listeners later, once they are durable."""
 
     def __init__(self, controller: RolloutController) -> None:
         self.controller = controller
         self.inner = controller.clock
-        self._local = threading.local()
+        self._metas: dict[int, EventMeta] = {}
+        self._lock = threading.Lock()
 
     def __call__(self) -> Any:
         now = self.inner()
-        state = self.controller.state
-        self._local.meta = EventMeta(
-            now, state.train_step, state.weight_version, self.controller.epoch
-        )
+        ctl = self.controller
+        state = ctl.state
+        meta = EventMeta(now, state.train_step, state.weight_version, ctl.epoch)
+        with self._lock:
+            self._metas[ctl.committer.next_seq] = meta
+            if len(self._metas) > _MAX_PENDING:  # commands that never became durable
+                for stale in sorted(self._metas)[: _MAX_PENDING // 2]:
+                    del self._metas[stale]
         return now
 
-    def take(self) -> EventMeta | None:
-        """The metadata of the command this thread just executed (once)."""
-        meta: EventMeta | None = getattr(self._local, "meta", None)
-        self._local.meta = None
-        return meta
+    def take(self, first_offset: int) -> EventMeta | None:
+        """The metadata of the command whose events start at ``first_offset`` (once)."""
+        with self._lock:
+            return self._metas.pop(first_offset, None)
 
 
 class LiveMetrics:
@@ -321,9 +326,9 @@ class LiveMetrics:
 
     def _on_events(self, applied: list[tuple[int, RolloutEvent]]) -> None:
         try:
-            meta = self._tap.take() if self._tap is not None else None
             if not applied:
                 return
+            meta = self._tap.take(applied[0][0]) if self._tap is not None else None
             with self._pending_lock:
                 self._pending[applied[0][0]] = (meta, list(applied))
                 overflow = len(self._pending) > _MAX_PENDING

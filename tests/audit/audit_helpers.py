@@ -112,7 +112,8 @@ class _Driver:
 
 def build_audit_run(store: EventStore, run_id: str = RUN_ID) -> AuditRun:
     """Script the run (see the module docstring) into ``store``; return what it did."""
-    sc = StoreConfig(snapshot_interval=0, group_commit_window_ms=0)
+    # The scripted completions name payloads they do not store.
+    sc = StoreConfig(snapshot_interval=0, group_commit_window_ms=0, require_stored_payloads=False)
     out = AuditRun(run_id)
     ctl = RolloutController.start(
         store, run_id, RULES, dataset_fingerprint="toy", dataset_size=DATASET_SIZE,

@@ -40,7 +40,7 @@ from controller.domain.errors import (
 from controller.domain.events import RolloutEvent
 from controller.domain.state import GroupState, Phase, RunState, SiblingStatus
 from controller.rollout import RecoveryReport, RolloutController, iter_history, replay
-from eventstore import EventStore
+from eventstore import EventStore, PayloadPut
 
 Applied = list[tuple[int, RolloutEvent]]
 
@@ -164,19 +164,22 @@ def complete(
 ) -> Applied:
     """Complete an in-flight sibling (default: its current attempt and dispatch version)."""
     s = group(run, gid).siblings[sibling]
-    return run.execute(
-        CompleteSibling(
-            group_id=gid,
-            sibling=sibling,
-            attempt=s.attempt if attempt is None else attempt,
-            weight_version=(s.weight_version or 0) if version is None else version,
-            prompt_tokens=3,
-            completion_tokens=tokens,
-            reward=reward,
-            payload_id=f"g{gid}-s{sibling}-a{s.attempt}",
-            finish_reason="stop",
-        )
+    command = CompleteSibling(
+        group_id=gid,
+        sibling=sibling,
+        attempt=s.attempt if attempt is None else attempt,
+        weight_version=(s.weight_version or 0) if version is None else version,
+        prompt_tokens=3,
+        completion_tokens=tokens,
+        reward=reward,
+        payload_id=f"g{gid}-s{sibling}-a{s.attempt}",
+        finish_reason="stop",
     )
+    if isinstance(run, RolloutController):
+        # A controller refuses completions whose payload is not stored: store it with them.
+        put = PayloadPut(command.payload_id, "sibling", b"tokens")
+        return run.execute(command, payload_puts=(put,))
+    return run.execute(command)
 
 
 def fail(run: Driver, gid: int, sibling: int, *, retryable: bool, reason: str = "boom") -> Applied:

@@ -52,10 +52,16 @@ from controller.domain.errors import (
     StaleAttemptError,
 )
 from controller.rollout import RolloutController, replay
-from eventstore import EventStore
+from eventstore import EventStore, PayloadPut
 
 RUN = "stateful"
 SNAPSHOT_INTERVAL = 25
+
+
+def _put(payload_id: str) -> tuple[PayloadPut, ...]:
+    """The payload a completion stores with it (the controller refuses unknown ones)."""
+    return (PayloadPut(payload_id, "sibling", b"tokens"),)
+
 
 configs = st.builds(
     RolloutConfig,
@@ -172,7 +178,8 @@ class RolloutMachine(RuleBasedStateMachine):
         self.c.execute(
             CompleteSibling(
                 gid, i, sib.attempt, version, 3, 1 + i, 0.25 * i, f"r{self.results}", "stop"
-            )
+            ),
+            payload_puts=_put(f"r{self.results}"),
         )
 
     def _generate(self, data: st.DataObject, outcomes: st.SearchStrategy[str]) -> None:
@@ -206,7 +213,8 @@ class RolloutMachine(RuleBasedStateMachine):
                         1.0,
                         f"r{self.results}",
                         "stop",
-                    )
+                    ),
+                    payload_puts=_put(f"r{self.results}"),
                 )
             elif outcome in ("retry", "drop"):
                 self.c.execute(FailSibling(gid, i, sib.attempt, outcome == "retry", "flaky"))
@@ -286,7 +294,8 @@ class RolloutMachine(RuleBasedStateMachine):
                         1.0,
                         f"r{self.results}",
                         "stop",
-                    )
+                    ),
+                    payload_puts=_put(f"r{self.results}"),
                 )
         attempt = s.groups[victim].siblings[sibling].attempt
         self.c.execute(FailSibling(victim, sibling, attempt, False, "early prompt failed"))

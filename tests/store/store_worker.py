@@ -10,9 +10,12 @@ Usage::
         Append N batches of BATCH events tagged with WRITER, competing with other
         processes: read last_seq, append with expected_seq = last + 1, retry on
         AppendConflictError. Print {"wins": N, "conflicts": C} as JSON.
-    store_worker.py readonly-as-nobody PATH RUN
+    store_worker.py readonly-as-nobody PATH RUN [SHARED]
         Load every module first, drop to uid/gid 65534 (nobody), then try to open the
         SQLite file PATH for writing and read-only; print what happened as JSON.
+        SHARED: a world-readable folder holding a copy of ``migrations/`` (the store
+        reads it on every open), imported instead of the checkout's, which nobody may
+        not be able to read (a clone inside a 0700 folder).
 """
 
 from __future__ import annotations
@@ -66,7 +69,10 @@ def contend(url: str, run_id: str, writer: int, n: int, batch: int) -> None:
     print(json.dumps({"wins": wins, "conflicts": conflicts}), flush=True)
 
 
-def readonly_as_nobody(path: str, run_id: str) -> None:
+def readonly_as_nobody(path: str, run_id: str, shared: str | None = None) -> None:
+    if shared is not None:
+        sys.path.insert(0, shared)  # before anything imports `migrations`
+        os.chdir(shared)  # the checkout may be out of nobody's reach
     # Import everything the store loads lazily while still root: nobody cannot read the
     # interpreter's files under /root.
     warm = tempfile.mkdtemp()
@@ -103,7 +109,7 @@ def main(argv: list[str]) -> None:
     elif mode == "contend":
         contend(args[0], args[1], int(args[2]), int(args[3]), int(args[4]))
     elif mode == "readonly-as-nobody":
-        readonly_as_nobody(args[0], args[1])
+        readonly_as_nobody(args[0], args[1], args[2] if len(args) > 2 else None)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
 

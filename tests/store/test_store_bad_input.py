@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from storetest_helpers import REPO_ROOT, make_batch, worker_cmd
+from storetest_helpers import make_batch, worker_cmd
 
 from eventstore import (
     EventStore,
@@ -28,6 +28,7 @@ from eventstore import (
     migrate,
     normalise_url,
 )
+from eventstore.migrate import migrations_dir
 
 # ---------------------------------------------------------------- URLs
 
@@ -196,11 +197,19 @@ def test_readonly_sqlite_file(tmp_path: Path) -> None:
     try:
         os.chmod(folder, 0o777)
         path = _make_readonly_db(folder)
+        # What nobody reads after dropping privileges (alembic's migrations, on every
+        # open) is copied to a readable place: the checkout may sit in a 0700 folder.
+        shared = folder / "shared"
+        shutil.copytree(
+            migrations_dir(), shared / "migrations", ignore=shutil.ignore_patterns("__pycache__")
+        )
+        for p in [shared, *shared.rglob("*")]:
+            os.chmod(p, 0o755 if p.is_dir() else 0o644)
         res = subprocess.run(
-            worker_cmd("readonly-as-nobody", str(path), "r1"),
+            worker_cmd("readonly-as-nobody", str(path), "r1", str(shared)),
             capture_output=True,
             text=True,
-            cwd=REPO_ROOT,
+            cwd=shared,
             timeout=120,
         )
         if res.returncode != 0 and "Operation not permitted" in res.stderr:
