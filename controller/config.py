@@ -81,6 +81,17 @@ class StoreConfig(BaseModel):
     snapshot_interval: int = Field(
         50_000, ge=0, description="Events between state snapshots (0: never snapshot)."
     )
+    writer_lock_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="PostgreSQL: longest a commit waits for the run's row lock before it fails.",
+    )
+    takeover_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="PostgreSQL: longest a takeover (open, restore) waits for the run's row lock "
+        "held by another writer before it fails naming that writer.",
+    )
 
 
 class TelemetryConfig(BaseModel):
