@@ -554,17 +554,28 @@ class EventStore:
         offset (no row after a gap is ever yielded). The read covers the log as it stood
         when it began (up to ``last_seq`` then); an unknown run has no events.
         """
-        with self._translate_errors(f"reading run {run_id!r}"), self.engine.connect() as conn:
+        doing = f"reading run {run_id!r}"
+        with self._translate_errors(doing), self.engine.connect() as conn:
             bounds = self._checked_bounds(conn, run_id)
         if bounds is None:
             return
         base, last = bounds
+        mark = "?" if self._is_sqlite else "%s"
+        last_sql = f"SELECT last_seq FROM runs WHERE run_id = {mark}"
+        nxt = expected = max(base, from_seq)
         upper = last if to_seq is None else min(to_seq, last)
-        nxt = max(base, from_seq)
-        expected = nxt
         parse_ts = _parse_ts
-        while nxt <= upper:
-            with self._translate_errors(f"reading run {run_id!r}"), self.engine.connect() as conn:
+        first_page = True
+        while True:
+            with self._translate_errors(doing), self.engine.connect() as conn:
+                if not first_page:
+                    # Each page sees what was appended since the previous one. last_seq is
+                    # read before the page: every row up to it is committed, so visible.
+                    last = conn.exec_driver_sql(last_sql, (run_id,)).scalar_one()
+                    upper = last if to_seq is None else min(to_seq, last)
+                first_page = False
+                if nxt > upper:
+                    break
                 rows = self._fetch_tuples(conn, self._read_sql, (run_id, nxt, upper, page_size))
             # Columns come in StoredEvent's field order (see _READ_COLS).
             for run, seq, epoch, type_, version, payload, ts, step, wv, gid, pidx, tstep in rows:
