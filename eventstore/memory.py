@@ -296,13 +296,16 @@ class MemoryEventStore:
             )
 
     def load_snapshot(self, run_id: str, at_or_before: int | None = None) -> Snapshot | None:
-        """The newest snapshot with ``seq <= at_or_before``."""
+        """The newest snapshot with ``seq <= at_or_before`` (the log checked whole up to it)."""
         with self._lock:
             snaps = self._run(run_id).snapshots
             keys = sorted(snaps)
             if at_or_before is not None:
                 keys = keys[: bisect.bisect_right(keys, at_or_before)]
-            return snaps[keys[-1]] if keys else None
+            snap = snaps[keys[-1]] if keys else None
+        if snap is not None:
+            self.check_log(run_id)
+        return snap
 
     def put_payload(self, run_id: str, payload_id: str, kind: str, data: bytes) -> None:
         """Store a payload (idempotent by id)."""

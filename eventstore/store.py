@@ -686,6 +686,26 @@ class EventStore:
             run_id, expected, "missing", f"offsets must run from {base} to runs.last_seq = {last}"
         )
 
+    def _check_whole_upto(self, conn: Connection, run_id: str, upto: int) -> None:
+        """Rows ``base..upto`` are all stored (the ends are checked by the bounds check)."""
+        bounds = self._checked_bounds(conn, run_id)
+        if bounds is None:
+            return
+        base, last = bounds
+        upto = min(upto, last)
+        if upto < base:
+            return
+        count = conn.execute(
+            sa.select(sa.func.count())
+            .select_from(events)
+            .where(events.c.run_id == run_id, events.c.seq >= base, events.c.seq <= upto)
+        ).scalar_one()
+        if count != upto - base + 1:
+            gap = self._first_gap(conn, run_id, base, upto)
+            raise CorruptLogError(
+                run_id, gap, "missing", f"offsets must run from {base} to runs.last_seq = {last}"
+            )
+
     def check_log(self, run_id: str | None = None) -> None:
         """Check that each run's (or only ``run_id``'s) rows are exactly ``base..last_seq``.
 
@@ -794,7 +814,12 @@ class EventStore:
                 )
 
     def load_snapshot(self, run_id: str, at_or_before: int | None = None) -> Snapshot | None:
-        """The newest snapshot with ``seq <= at_or_before`` (any, when None), or None."""
+        """The newest snapshot with ``seq <= at_or_before`` (any, when None), or None.
+
+        A snapshot stands for the events before it, which a replay from it never reads:
+        so the log is checked whole up to it here (one count over the run's primary key),
+        :class:`CorruptLogError` naming the first missing offset otherwise.
+        """
         q = sa.select(snapshots).where(snapshots.c.run_id == run_id)
         if at_or_before is not None:
             q = q.where(snapshots.c.seq <= at_or_before)
@@ -802,6 +827,8 @@ class EventStore:
         with self._translate_errors(f"loading a snapshot of run {run_id!r}"):
             with self.engine.connect() as conn:
                 row = conn.execute(q).first()
+                if row is not None:
+                    self._check_whole_upto(conn, run_id, row.seq)
         if row is None:
             return None
         return Snapshot(

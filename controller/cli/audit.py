@@ -211,6 +211,7 @@ def audit(
         sql = sys.stdin.read()
     try:
         with SqlAudit(db_url, limit=limit, timeout_s=timeout_s) as db:
+            db.store.check_log(run_id)  # the views must not count an incomplete log (issue 9)
             if sql is not None:
                 if run_id is not None or (":run_id" in sql and "run_id" not in bound):
                     # :run_id is --run, or the database's only run when --run is omitted.
