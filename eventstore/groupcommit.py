@@ -189,7 +189,8 @@ class GroupCommitter:
                 + (f": {self._error}" if self._error is not None else "")
             )
             for _, loop, fut in waiters:
-                _notify(loop, _reject, fut, err)
+                with contextlib.suppress(Exception):  # the thread is ending: wake all we can
+                    _notify(loop, _reject, fut, err)
 
     def _take_batch(self) -> tuple[list[NewEvent], list[PayloadPut]]:
         """Whole units from the queue's head, up to ``max_batch`` events (at least one unit).
