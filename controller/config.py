@@ -86,6 +86,17 @@ class StoreConfig(BaseModel):
         description="Refuse a CompleteSibling whose payload is neither put with it nor "
         "stored (false: skip the check, for synthetic benchmarks that store no payloads).",
     )
+    writer_lock_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="PostgreSQL: longest a commit waits for the run's row lock before it fails.",
+    )
+    takeover_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="PostgreSQL: longest a takeover (open, restore) waits for the run's row lock "
+        "held by another writer before it fails naming that writer.",
+    )
 
 
 class TelemetryConfig(BaseModel):

@@ -193,6 +193,7 @@ class RolloutController:
             next_seq=info.last_seq + 1,
             max_batch=self.store_config.group_commit_max_batch,
             window_s=self.store_config.group_commit_window_ms / 1000,
+            lock_timeout_s=self.store_config.writer_lock_timeout_s,
         )
         self._last_snapshot = state.last_seq
         self._snapshots = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rolloutlog-snap")
@@ -220,28 +221,43 @@ class RolloutController:
         store_config: StoreConfig | None = None,
         clock: Clock | None = None,
     ) -> RolloutController:
-        """Create a new run and return its controller (epoch 1)."""
+        """Create a new run and return its controller (epoch 1).
+
+        The run's row and its first events (``RunStarted``) commit in one transaction: a
+        crash leaves either no run (start it again) or a started run (open it).
+        """
         fp = run_fingerprint(rollout, dataset_fingerprint)
+        state = RunState()
+        command = StartRun(
+            run_id=run_id,
+            rollout=rollout,
+            config_fingerprint=fp,
+            dataset_fingerprint=dataset_fingerprint,
+            dataset_size=dataset_size,
+        )
+        events = decide(state, command)
+        now = (clock or (lambda: datetime.now(UTC)))()
+        rows = [
+            CODEC.encode(
+                ev,
+                recorded_at=now,
+                train_step=state.train_step,
+                weight_version=state.weight_version,
+            )
+            for ev in events
+        ]
+        # Apply before writing: an event the state cannot take is never made durable.
+        for i, ev in enumerate(events):
+            evolve(state, ev, i + 1)
         store.create_run(
             run_id,
             config_fingerprint=fp,
             config_json=json.dumps(
                 {"rollout": rollout.model_dump(), "dataset_fingerprint": dataset_fingerprint}
             ),
+            first_events=rows,
         )
-        ctl = cls(store, RunState(), run_id=run_id, epoch=1, store_config=store_config, clock=clock)
-        with ctl._abandon_on_error():
-            ctl.execute(
-                StartRun(
-                    run_id=run_id,
-                    rollout=rollout,
-                    config_fingerprint=fp,
-                    dataset_fingerprint=dataset_fingerprint,
-                    dataset_size=dataset_size,
-                )
-            )
-            ctl.flush()
-        return ctl
+        return cls(store, state, run_id=run_id, epoch=1, store_config=store_config, clock=clock)
 
     @classmethod
     def open(
@@ -252,11 +268,29 @@ class RolloutController:
         store_config: StoreConfig | None = None,
         clock: Clock | None = None,
     ) -> RolloutController:
-        """Take over a run where it stands, in a new epoch (older writers are fenced)."""
+        """Take over a run where it stands, in a new epoch (older writers are fenced).
+
+        On PostgreSQL the takeover waits at most ``store_config.takeover_timeout_s`` for a
+        writer that holds the run's row lock, then raises
+        :class:`eventstore.LockTimeoutError` naming it (the epoch is not raised).
+        """
+        cfg = store_config or StoreConfig()
         info = store.get_run(run_id)
         result = replay(store, run_id)
         check_invariants(result.state)
-        epoch = store.open_epoch(run_id, expected_epoch=info.current_epoch)
+        if result.state.config is None:
+            # Only an older rolloutlog could leave this (a crash between creating the run
+            # and writing RunStarted): refuse before raising the epoch, so nothing changes.
+            raise RestoreError(
+                f"run {run_id!r} was created but never started (its log holds no RunStarted "
+                "event): there is nothing to take over; start the run again under a new id"
+            )
+        # Decide the Resume before raising the epoch (decide is pure): a run that cannot be
+        # resumed is refused without fencing anyone.
+        decide(result.state, Resume(epoch=info.current_epoch + 1))
+        epoch = store.open_epoch(
+            run_id, expected_epoch=info.current_epoch, lock_timeout_s=cfg.takeover_timeout_s
+        )
         # The new epoch continues from the log's end at open_epoch, but the writer being
         # taken over may have appended after the replay above. It is fenced now, so that
         # tail is final: fold it in, or this controller would decide from a stale state.
@@ -330,7 +364,12 @@ class RolloutController:
         salvage = _salvageable(store, run_id, offset) if mode == "salvage" else ()
         timings["salvage_scan"] = time.perf_counter() - t2
         t3 = time.perf_counter()
-        epoch = store.open_epoch(run_id, expected_epoch=info.current_epoch, resume_seq=offset)
+        epoch = store.open_epoch(
+            run_id,
+            expected_epoch=info.current_epoch,
+            resume_seq=offset,
+            lock_timeout_s=(store_config or StoreConfig()).takeover_timeout_s,
+        )
         ctl = cls(store, state, run_id=run_id, epoch=epoch, store_config=store_config, clock=clock)
         with ctl._abandon_on_error():
             restored = ctl.execute(

@@ -119,3 +119,31 @@ class PayloadNotFoundError(StoreError, KeyError):
 
 class GroupCommitClosedError(StoreError):
     """The group committer was closed, or its writer failed; no more events are accepted."""
+
+
+class CorruptLogError(StoreError):
+    """The run's stored rows are not exactly the offsets ``base..runs.last_seq``.
+
+    ``kind`` is ``"missing"`` (a row of that range is absent), ``"duplicate"`` (an offset
+    stored twice) or ``"extra"`` (a row below the base or beyond ``runs.last_seq``).
+    ``offset`` is the first offset found wrong. Nothing read after it can be trusted, so
+    every read path stops here instead of computing from an incomplete log.
+    """
+
+    def __init__(self, run_id: str, offset: int, kind: str, detail: str) -> None:
+        self.run_id = run_id
+        self.offset = offset
+        self.kind = kind
+        super().__init__(f"corrupt log of run {run_id!r} at offset {offset}: {kind} row ({detail})")
+
+
+class LockTimeoutError(StoreError):
+    """Waiting for a lock on the run's row took longer than the configured limit.
+
+    ``holders`` describes the database sessions found holding it (pid, application name,
+    state), when they could be found.
+    """
+
+    def __init__(self, message: str, holders: tuple[str, ...] = ()) -> None:
+        self.holders = holders
+        super().__init__(message)

@@ -6,14 +6,21 @@ transaction per batch, when the batch is full or the commit window has passed.
 ``flush()`` (or ``await aflush()``) returns once everything submitted before it is
 durable, and re-raises the writer's error if an append failed: after a failure the
 committer accepts nothing more, because later events would depend on lost ones.
+
+One ``submit`` call is one unit: a batch is cut only between units, never inside one,
+so the events of one command always commit in the same transaction (a crash can never
+leave half a command in the log). A unit larger than ``max_batch`` commits alone, whole.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .errors import GroupCommitClosedError, StoreError
 from .records import NewEvent, PayloadPut
@@ -32,6 +39,7 @@ class GroupCommitter:
         next_seq: int,
         max_batch: int = 2000,
         window_s: float = 0.005,
+        lock_timeout_s: float | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
@@ -42,14 +50,21 @@ class GroupCommitter:
         self.epoch = epoch
         self.max_batch = max_batch
         self.window_s = window_s
+        #: Passed to every append (PostgreSQL: how long a commit may wait for the run's
+        #: row lock before it fails instead of hanging; None: no limit).
+        self.lock_timeout_s = lock_timeout_s
         self._cv = threading.Condition()
-        self._queue: list[NewEvent] = []
-        self._payloads: list[PayloadPut] = []
+        # One entry per submit call (one command): batches are cut between entries only.
+        self._units: collections.deque[tuple[Sequence[NewEvent], Sequence[PayloadPut]]] = (
+            collections.deque()
+        )
+        self._queued = 0  # events in _units
         self._next_seq = next_seq  # next sequence to hand out
-        self._queued_from = next_seq  # sequence of _queue[0]
+        self._queued_from = next_seq  # sequence of the first queued event
         self._durable = next_seq - 1
         self._error: BaseException | None = None
         self._closed = False
+        self._stopped = False  # the writer thread has ended (for whatever reason)
         # Highest sequence someone is blocked on: the writer commits at once up to it
         # instead of waiting out the commit window (a flush should cost one fsync).
         self._wanted = next_seq - 1
@@ -75,16 +90,21 @@ class GroupCommitter:
     def submit(self, batch: Sequence[NewEvent], payload_puts: Sequence[PayloadPut] = ()) -> int:
         """Queue events (and their payloads) for appending; return the last sequence assigned.
 
-        Payloads are written no later than the first of the events submitted with them,
-        so an event never refers to a payload that is not durable. Events of one call
-        normally share a transaction; a call larger than ``max_batch`` is split.
+        Payloads are written in the same transaction as the events submitted with them,
+        so an event never refers to a payload that is not durable. The events of one call
+        always share a transaction, even a call larger than ``max_batch`` (it commits
+        alone): call ``submit`` once per command.
         """
         if payload_puts and not batch:
             raise ValueError("payloads must be submitted together with the events that use them")
+        if not batch:
+            with self._cv:
+                self._raise_if_unusable()
+                return self._next_seq - 1
         with self._cv:
             self._raise_if_unusable()
-            self._queue.extend(batch)
-            self._payloads.extend(payload_puts)
+            self._units.append((list(batch), list(payload_puts)))
+            self._queued += len(batch)
             self._next_seq += len(batch)
             self._cv.notify_all()
             return self._next_seq - 1
@@ -96,12 +116,18 @@ class GroupCommitter:
             self._wanted = max(self._wanted, target)
             self._cv.notify_all()
             ok = self._cv.wait_for(
-                lambda: self._error is not None or self._durable >= target, timeout=timeout
+                lambda: self._error is not None or self._stopped or self._durable >= target,
+                timeout=timeout,
             )
             if self._error is not None:
                 raise GroupCommitClosedError(
                     f"appending to run {self.run_id!r} failed: {self._error}"
                 ) from self._error
+            if self._durable < target and self._stopped:
+                raise GroupCommitClosedError(
+                    f"the commit thread of run {self.run_id!r} stopped before offset {target} "
+                    "was durable"
+                )
             if not ok:
                 raise TimeoutError(f"flush of run {self.run_id!r} timed out after {timeout}s")
             return self._durable
@@ -113,6 +139,11 @@ class GroupCommitter:
             target = self._next_seq - 1
             if self._error is None and self._durable >= target:
                 return self._durable
+            if self._error is None and self._stopped:
+                raise GroupCommitClosedError(
+                    f"the commit thread of run {self.run_id!r} stopped before offset {target} "
+                    "was durable"
+                )
             if self._error is None:
                 fut: asyncio.Future[int] = loop.create_future()
                 self._waiters.append((target, loop, fut))
@@ -143,16 +174,52 @@ class GroupCommitter:
 
     # ------------------------------------------------------------------ writer thread
     def _run(self) -> None:
+        try:
+            self._commit_loop()
+        except BaseException as exc:  # the writer must report every failure, never die silently
+            self._fail(exc)
+        finally:
+            with self._cv:
+                self._stopped = True
+                waiters, self._waiters = self._waiters, []
+                self._cv.notify_all()
+            # Whoever still waits would wait forever: wake them (normally none are left).
+            err = GroupCommitClosedError(
+                f"the commit thread of run {self.run_id!r} stopped"
+                + (f": {self._error}" if self._error is not None else "")
+            )
+            for _, loop, fut in waiters:
+                with contextlib.suppress(Exception):  # the thread is ending: wake all we can
+                    _notify(loop, _reject, fut, err)
+
+    def _take_batch(self) -> tuple[list[NewEvent], list[PayloadPut]]:
+        """Whole units from the queue's head, up to ``max_batch`` events (at least one unit).
+
+        Called with the lock held.
+        """
+        batch: list[NewEvent] = []
+        puts: list[PayloadPut] = []
+        while self._units:
+            events, unit_puts = self._units[0]
+            if batch and len(batch) + len(events) > self.max_batch:
+                break  # cut between commands, never inside one
+            self._units.popleft()
+            batch.extend(events)
+            puts.extend(unit_puts)
+        self._queued -= len(batch)
+        return batch, puts
+
+    def _commit_loop(self) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._queue or self._payloads or self._closed)
-                if not self._queue and not self._payloads and self._closed:
+                self._cv.wait_for(lambda: self._units or self._closed)
+                if not self._units and self._closed:
                     return
                 # Let the batch fill for up to one commit window, unless it is full or
                 # someone is blocked on an event already queued.
                 deadline = time.monotonic() + self.window_s
                 while (
-                    len(self._queue) < self.max_batch
+                    self._queued < self.max_batch
                     and not self._closed
                     and self._wanted < self._queued_from
                 ):
@@ -160,20 +227,18 @@ class GroupCommitter:
                     if left <= 0:
                         break
                     self._cv.wait(left)
-                batch = self._queue[: self.max_batch]
-                del self._queue[: self.max_batch]
-                # Payloads go with the first batch after they were submitted.
-                puts, self._payloads = self._payloads, []
+                batch, puts = self._take_batch()
                 first = self._queued_from
                 self._queued_from += len(batch)
             started = time.perf_counter()
-            try:
-                last = self.store.append(
-                    self.run_id, batch, expected_seq=first, epoch=self.epoch, payload_puts=puts
-                )
-            except BaseException as exc:  # the writer must report every failure
-                self._fail(exc)
-                return
+            last = self.store.append(
+                self.run_id,
+                batch,
+                expected_seq=first,
+                epoch=self.epoch,
+                payload_puts=puts,
+                lock_timeout_s=self.lock_timeout_s,
+            )
             self.commit_seconds.append(time.perf_counter() - started)
             if len(self.commit_seconds) > 10_000:
                 del self.commit_seconds[:5_000]
@@ -183,7 +248,7 @@ class GroupCommitter:
                 self._waiters = [w for w in self._waiters if w not in ready]
                 self._cv.notify_all()
             for _, loop, fut in ready:
-                loop.call_soon_threadsafe(_resolve, fut, last)
+                _notify(loop, _resolve, fut, last)
 
     def _fail(self, exc: BaseException) -> None:
         with self._cv:
@@ -195,7 +260,27 @@ class GroupCommitter:
         err = GroupCommitClosedError(f"appending to run {self.run_id!r} failed: {self._error}")
         err.__cause__ = self._error
         for _, loop, fut in waiters:
-            loop.call_soon_threadsafe(_reject, fut, err)
+            with contextlib.suppress(BaseException):  # already failing: wake all we can
+                _notify(loop, _reject, fut, err)
+
+
+def _notify(
+    loop: asyncio.AbstractEventLoop,
+    callback: Callable[[asyncio.Future[int], Any], None],
+    fut: asyncio.Future[int],
+    value: Any,
+) -> None:
+    """Hand a result to a waiter on its event loop.
+
+    A loop that has closed has no one left awaiting (an ``aflush`` whose ``asyncio.run``
+    ended, e.g. after a cancellation): its waiter is dropped. Any other error propagates
+    and fails the committer, so it is stored and raised, never lost with the thread.
+    """
+    try:
+        loop.call_soon_threadsafe(callback, fut, value)
+    except RuntimeError:
+        if not loop.is_closed():
+            raise
 
 
 def _resolve(fut: asyncio.Future[int], value: int) -> None:

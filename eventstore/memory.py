@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 
 from .errors import (
     AppendConflictError,
+    CorruptLogError,
     EpochFencedError,
     PayloadNotFoundError,
     RunExistsError,
@@ -69,16 +70,23 @@ class MemoryEventStore:
         config_fingerprint: str = "",
         config_json: str = "{}",
         epoch: int = 1,
+        first_events: Sequence[NewEvent] = (),
+        payload_puts: Sequence[PayloadPut] = (),
     ) -> RunInfo:
-        """Register a new, empty run."""
+        """Register a new run with its first events, atomically (see ``EventStore.create_run``)."""
         if not run_id or len(run_id) > 128:
             raise StoreError(f"run id must be 1..128 characters, got {run_id!r}")
+        if payload_puts and not first_events:
+            raise StoreError("payloads must be written together with the events that use them")
         with self._lock:
             if run_id in self._runs:
                 raise RunExistsError(f"run {run_id!r} already exists")
             info = RunInfo(run_id, datetime.now(UTC), config_fingerprint, config_json, epoch, 0)
-            self._runs[run_id] = _Run(info=info, epochs=[(1, 0)])
-            return info
+            run = _Run(info=info, epochs=[(1, 0)])
+            if first_events:
+                self._append_locked(run, first_events, 1, epoch, payload_puts)
+            self._runs[run_id] = run
+            return run.info
 
     def get_run(self, run_id: str) -> RunInfo:
         """The run's row."""
@@ -96,8 +104,9 @@ class MemoryEventStore:
         *,
         expected_epoch: int | None = None,
         resume_seq: int | None = None,
+        lock_timeout_s: float | None = None,
     ) -> int:
-        """Raise the epoch (see :meth:`EventStore.open_epoch`)."""
+        """Raise the epoch (see :meth:`EventStore.open_epoch`; no locks to time out)."""
         with self._lock:
             run = self._run(run_id)
             info = run.info
@@ -141,48 +150,60 @@ class MemoryEventStore:
         expected_seq: int,
         epoch: int,
         payload_puts: Sequence[PayloadPut] = (),
+        lock_timeout_s: float | None = None,
     ) -> int:
-        """See :meth:`EventStore.append`: all or nothing, same errors."""
+        """See :meth:`EventStore.append`: all or nothing, same errors (no locks to time out)."""
         if not batch and not payload_puts:
             return expected_seq - 1
         if expected_seq < 1:
             raise StoreError(f"expected_seq must be >= 1, got {expected_seq}")
         with self._lock:
-            run = self._run(run_id)
-            info = run.info
-            if info.current_epoch != epoch:
-                raise EpochFencedError(run_id, epoch, info.current_epoch)
-            if batch and info.last_seq + 1 != expected_seq:
-                raise AppendConflictError(run_id, expected_seq, info.last_seq + 1)
-            for p in payload_puts:
-                run.payloads.setdefault(p.payload_id, bytes(p.data))
-            for i, ev in enumerate(batch):
-                run.events.append(
-                    StoredEvent(
-                        run_id,
-                        expected_seq + i,
-                        epoch,
-                        ev.type,
-                        ev.schema_version,
-                        ev.payload,
-                        ev.recorded_at.astimezone(UTC),
-                        ev.train_step,
-                        ev.weight_version,
-                        ev.group_id,
-                        ev.prompt_index,
-                        ev.target_step,
-                    )
+            return self._append_locked(self._run(run_id), batch, expected_seq, epoch, payload_puts)
+
+    def _append_locked(
+        self,
+        run: _Run,
+        batch: Sequence[NewEvent],
+        expected_seq: int,
+        epoch: int,
+        payload_puts: Sequence[PayloadPut],
+    ) -> int:
+        run_id = run.info.run_id
+        # The caller holds the lock.
+        info = run.info
+        if info.current_epoch != epoch:
+            raise EpochFencedError(run_id, epoch, info.current_epoch)
+        if batch and info.last_seq + 1 != expected_seq:
+            raise AppendConflictError(run_id, expected_seq, info.last_seq + 1)
+        for p in payload_puts:
+            run.payloads.setdefault(p.payload_id, bytes(p.data))
+        for i, ev in enumerate(batch):
+            run.events.append(
+                StoredEvent(
+                    run_id,
+                    expected_seq + i,
+                    epoch,
+                    ev.type,
+                    ev.schema_version,
+                    ev.payload,
+                    ev.recorded_at.astimezone(UTC),
+                    ev.train_step,
+                    ev.weight_version,
+                    ev.group_id,
+                    ev.prompt_index,
+                    ev.target_step,
                 )
-            last = expected_seq + len(batch) - 1 if batch else info.last_seq
-            run.info = RunInfo(
-                info.run_id,
-                info.created_at,
-                info.config_fingerprint,
-                info.config_json,
-                info.current_epoch,
-                last,
             )
-            return expected_seq + len(batch) - 1
+        last = expected_seq + len(batch) - 1 if batch else info.last_seq
+        run.info = RunInfo(
+            info.run_id,
+            info.created_at,
+            info.config_fingerprint,
+            info.config_json,
+            info.current_epoch,
+            last,
+        )
+        return expected_seq + len(batch) - 1
 
     def last_seq(self, run_id: str) -> int:
         """Sequence of the newest event (0 when empty)."""
@@ -196,13 +217,54 @@ class MemoryEventStore:
         *,
         page_size: int = 2000,
     ) -> Iterator[StoredEvent]:
-        """Events ``from_seq..to_seq`` in order (a snapshot of the list at call time)."""
+        """Events ``from_seq..to_seq`` in order (a snapshot of the list at call time).
+
+        Checks the log is whole as :meth:`EventStore.read` does (:class:`CorruptLogError`).
+        """
         with self._lock:
-            events = self._run(run_id).events
-            hi = len(events) if to_seq is None else min(len(events), max(0, to_seq))
-            lo = max(0, from_seq - 1)
-            chunk = events[lo:hi]
-        yield from chunk
+            run = self._run(run_id)
+            last = run.info.last_seq
+            _check_ends(run_id, run.events, last)
+            upper = last if to_seq is None else min(to_seq, last)
+            lo = bisect.bisect_left(run.events, from_seq, key=lambda e: e.seq)
+            hi = bisect.bisect_right(run.events, upper, key=lambda e: e.seq)
+            chunk = run.events[lo:hi]
+        expected = max(1, from_seq)
+        for row in chunk:
+            if row.seq != expected:
+                if row.seq < expected:
+                    raise CorruptLogError(
+                        run_id, row.seq, "duplicate", "the offset is stored twice"
+                    )
+                raise CorruptLogError(
+                    run_id, expected, "missing", f"offsets must run from 1 to last_seq = {last}"
+                )
+            expected += 1
+            yield row
+        if expected <= upper:
+            raise CorruptLogError(
+                run_id, expected, "missing", f"offsets must run from 1 to last_seq = {last}"
+            )
+
+    def check_log(self, run_id: str | None = None) -> None:
+        """See :meth:`EventStore.check_log`."""
+        with self._lock:
+            found = [
+                (rid, list(run.events), run.info.last_seq)
+                for rid, run in self._runs.items()
+                if run_id is None or rid == run_id
+            ]
+        for rid, events, last in found:
+            _check_ends(rid, events, last)
+            for i, row in enumerate(events):
+                if row.seq != i + 1:
+                    kind = "duplicate" if row.seq <= i else "missing"
+                    raise CorruptLogError(
+                        rid,
+                        row.seq if kind == "duplicate" else i + 1,
+                        kind,
+                        f"offsets must run from 1 to last_seq = {last}",
+                    )
 
     def read_where(
         self,
@@ -234,13 +296,16 @@ class MemoryEventStore:
             )
 
     def load_snapshot(self, run_id: str, at_or_before: int | None = None) -> Snapshot | None:
-        """The newest snapshot with ``seq <= at_or_before``."""
+        """The newest snapshot with ``seq <= at_or_before`` (the log checked whole up to it)."""
         with self._lock:
             snaps = self._run(run_id).snapshots
             keys = sorted(snaps)
             if at_or_before is not None:
                 keys = keys[: bisect.bisect_right(keys, at_or_before)]
-            return snaps[keys[-1]] if keys else None
+            snap = snaps[keys[-1]] if keys else None
+        if snap is not None:
+            self.check_log(run_id)
+        return snap
 
     def put_payload(self, run_id: str, payload_id: str, kind: str, data: bytes) -> None:
         """Store a payload (idempotent by id)."""
@@ -254,3 +319,15 @@ class MemoryEventStore:
         if data is None:
             raise PayloadNotFoundError(f"no payload {payload_id!r} in run {run_id!r}")
         return data
+
+
+def _check_ends(run_id: str, events: list[StoredEvent], last: int) -> None:
+    """The stored rows must end at ``last`` (an extra row beyond it, or rows missing at the end)."""
+    beyond = [e.seq for e in events if e.seq > last] if events and events[-1].seq > last else []
+    if beyond:
+        raise CorruptLogError(run_id, min(beyond), "extra", f"beyond last_seq = {last}")
+    if last and (not events or events[-1].seq < last):
+        missing = events[-1].seq + 1 if events else 1
+        raise CorruptLogError(
+            run_id, missing, "missing", f"offsets must run from 1 to last_seq = {last}"
+        )

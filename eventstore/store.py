@@ -10,7 +10,9 @@ reader paging by sequence never skips an event.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import sqlite3
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
@@ -26,7 +28,9 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, NoSuchModu
 from . import migrate
 from .errors import (
     AppendConflictError,
+    CorruptLogError,
     EpochFencedError,
+    LockTimeoutError,
     PayloadNotFoundError,
     ReadOnlyStoreError,
     RunExistsError,
@@ -37,7 +41,7 @@ from .errors import (
 )
 from .history import history_segments, read_history
 from .records import NewEvent, PayloadPut, RunInfo, Snapshot, StoredEvent
-from .schema import epochs, payloads, runs, snapshots
+from .schema import compactions, epochs, events, payloads, runs, snapshots
 
 #: SQLite ``synchronous`` levels accepted in the URL query (``?synchronous=NORMAL``).
 SQLITE_SYNCHRONOUS = ("OFF", "NORMAL", "FULL", "EXTRA")
@@ -206,11 +210,21 @@ class EventStore:
         config_fingerprint: str = "",
         config_json: str = "{}",
         epoch: int = 1,
+        first_events: Sequence[NewEvent] = (),
+        payload_puts: Sequence[PayloadPut] = (),
     ) -> RunInfo:
-        """Register a new, empty run at ``epoch``. An existing id raises :class:`RunExistsError`."""
+        """Register a new run at ``epoch``. An existing id raises :class:`RunExistsError`.
+
+        ``first_events`` (offsets ``1..``) and ``payload_puts`` are written in the same
+        transaction as the run's row: a crash leaves either no run or a run that has
+        started, never a run without its first event.
+        """
         if not run_id or len(run_id) > 128:
             raise StoreError(f"run id must be 1..128 characters, got {run_id!r}")
+        if payload_puts and not first_events:
+            raise StoreError("payloads must be written together with the events that use them")
         now = datetime.now(UTC)
+        rows = self._event_rows(run_id, first_events, 1, epoch)
         try:
             with (
                 self._translate_errors(f"creating run {run_id!r}", keep_integrity=True),
@@ -223,7 +237,7 @@ class EventStore:
                         config_fingerprint=config_fingerprint,
                         config_json=config_json,
                         current_epoch=epoch,
-                        last_seq=0,
+                        last_seq=len(rows),
                     )
                 )
                 conn.execute(
@@ -231,6 +245,13 @@ class EventStore:
                         run_id=run_id, epoch=epoch, opened_at=now, resume_seq=0, first_seq=1
                     )
                 )
+                if payload_puts:
+                    conn.exec_driver_sql(
+                        self._payload_sql,
+                        [(run_id, p.payload_id, p.kind, p.data) for p in payload_puts],
+                    )
+                if rows:
+                    conn.exec_driver_sql(self._insert_sql, rows)
         except IntegrityError as exc:
             raise RunExistsError(f"run {run_id!r} already exists") from exc
         return self.get_run(run_id)
@@ -262,6 +283,7 @@ class EventStore:
         *,
         expected_epoch: int | None = None,
         resume_seq: int | None = None,
+        lock_timeout_s: float | None = None,
     ) -> int:
         """Raise the run's epoch by one and return it; every writer of an older epoch is fenced.
 
@@ -270,9 +292,14 @@ class EventStore:
         and salvage but leave the history (see :meth:`history_segments`).
         With ``expected_epoch``, fail with :class:`EpochFencedError` if someone else already
         moved the epoch (two restores racing: exactly one wins).
+        ``lock_timeout_s`` (PostgreSQL): wait at most this long for the run's row lock,
+        which a hung writer may hold; then raise :class:`LockTimeoutError` naming the
+        database session that holds it. None waits without limit.
         """
-        with self._translate_errors(f"opening a new epoch of run {run_id!r}"):
+        doing = f"opening a new epoch of run {run_id!r}"
+        with self._translate_errors(doing), self._lock_timeouts(run_id, doing, lock_timeout_s):
             with self._writer.begin() as conn:
+                self._set_lock_timeout(conn, lock_timeout_s)
                 row = conn.execute(
                     sa.select(runs.c.current_epoch, runs.c.last_seq)
                     .where(runs.c.run_id == run_id)
@@ -344,52 +371,26 @@ class EventStore:
         expected_seq: int,
         epoch: int,
         payload_puts: Sequence[PayloadPut] = (),
+        lock_timeout_s: float | None = None,
     ) -> int:
         """Append ``batch`` atomically as sequences ``expected_seq ..``; return the last one.
 
         Raises :class:`AppendConflictError` when ``expected_seq`` is not the log's next
         sequence and :class:`EpochFencedError` when ``epoch`` is not the run's current
         epoch. Either way nothing is written. ``payload_puts`` are stored in the same
-        transaction (idempotently, by payload id).
+        transaction (idempotently, by payload id). ``lock_timeout_s`` (PostgreSQL): fail
+        with :class:`LockTimeoutError` instead of waiting longer for the run's row lock.
         """
         if not batch and not payload_puts:
             return expected_seq - 1
         if expected_seq < 1:
             raise StoreError(f"expected_seq must be >= 1, got {expected_seq}")
         last = expected_seq + len(batch) - 1
-        if self._is_sqlite:
-            # Events of one command share their timestamp: format each distinct one once.
-            formatted: dict[datetime, str] = {}
-
-            def iso(ts: datetime) -> str | datetime:
-                text = formatted.get(ts)
-                if text is None:
-                    text = formatted[ts] = _iso(ts)
-                return text
-        else:
-
-            def iso(ts: datetime) -> str | datetime:
-                return ts
-
-        rows = [
-            (
-                run_id,
-                expected_seq + i,
-                epoch,
-                ev.type,
-                ev.schema_version,
-                iso(ev.recorded_at),
-                ev.train_step,
-                ev.weight_version,
-                ev.group_id,
-                ev.prompt_index,
-                ev.target_step,
-                ev.payload,
-            )
-            for i, ev in enumerate(batch)
-        ]
-        with self._translate_errors(f"appending to run {run_id!r}"):
+        rows = self._event_rows(run_id, batch, expected_seq, epoch)
+        doing = f"appending to run {run_id!r}"
+        with self._translate_errors(doing), self._lock_timeouts(run_id, doing, lock_timeout_s):
             with self._writer.begin() as conn:
+                self._set_lock_timeout(conn, lock_timeout_s)
                 if batch:
                     res = conn.exec_driver_sql(
                         self._cas_sql, (last, run_id, expected_seq - 1, epoch)
@@ -407,6 +408,108 @@ class EventStore:
                 if rows:
                     conn.exec_driver_sql(self._insert_sql, rows)
         return last
+
+    def _event_rows(
+        self, run_id: str, batch: Sequence[NewEvent], expected_seq: int, epoch: int
+    ) -> list[tuple[Any, ...]]:
+        """The INSERT parameters of ``batch`` as offsets ``expected_seq ..``."""
+        if self._is_sqlite:
+            # Events of one command share their timestamp: format each distinct one once.
+            formatted: dict[datetime, str] = {}
+
+            def iso(ts: datetime) -> str | datetime:
+                text = formatted.get(ts)
+                if text is None:
+                    text = formatted[ts] = _iso(ts)
+                return text
+        else:
+
+            def iso(ts: datetime) -> str | datetime:
+                return ts
+
+        return [
+            (
+                run_id,
+                expected_seq + i,
+                epoch,
+                ev.type,
+                ev.schema_version,
+                iso(ev.recorded_at),
+                ev.train_step,
+                ev.weight_version,
+                ev.group_id,
+                ev.prompt_index,
+                ev.target_step,
+                ev.payload,
+            )
+            for i, ev in enumerate(batch)
+        ]
+
+    # ------------------------------------------------------------------ lock timeouts
+    def _set_lock_timeout(self, conn: Connection, lock_timeout_s: float | None) -> None:
+        """PostgreSQL: bound this transaction's lock waits (SQLite has its busy_timeout)."""
+        if lock_timeout_s is None or self._is_sqlite:
+            return
+        # 0 would mean "no limit" to PostgreSQL: the shortest real limit is 1 ms.
+        conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{max(1, round(lock_timeout_s * 1000))}ms'")
+
+    @contextlib.contextmanager
+    def _lock_timeouts(
+        self, run_id: str, doing: str, lock_timeout_s: float | None
+    ) -> Iterator[None]:
+        """Turn PostgreSQL's lock_timeout (SQLSTATE 55P03) into :class:`LockTimeoutError`."""
+        try:
+            yield
+        except DBAPIError as exc:
+            if getattr(exc.orig, "sqlstate", None) != "55P03":
+                raise
+            holders = self._lock_holders(run_id)
+            held_by = "; ".join(holders) if holders else "no holder found (it may have let go)"
+            raise LockTimeoutError(
+                f"gave up {doing} after waiting {lock_timeout_s}s for the lock on run "
+                f"{run_id!r}: held by {held_by}. If that writer is hung, end it "
+                "(SELECT pg_terminate_backend(pid)) and retry",
+                tuple(holders),
+            ) from exc
+
+    def _lock_holders(self, run_id: str) -> list[str]:
+        """Describe the PostgreSQL sessions holding run ``run_id``'s row (best effort).
+
+        A row lock is not listed in pg_locks: the row's ``xmax`` names the transaction that
+        locked (or updated) it, and that transaction holds a lock on its own id. When
+        several sessions share the lock (a multixact), fall back to the sessions holding
+        a row-level lock mode on the ``runs`` table.
+        """
+        by_xmax = (
+            "SELECT a.pid, a.application_name, a.state, a.xact_start, a.query "
+            "FROM pg_stat_activity a JOIN pg_locks l ON l.pid = a.pid "
+            "WHERE l.granted AND l.locktype = 'transactionid' AND l.mode = 'ExclusiveLock' "
+            "AND l.transactionid = (SELECT xmax FROM runs WHERE run_id = %s) "
+            "AND a.pid <> pg_backend_pid()"
+        )
+        by_table = (
+            "SELECT DISTINCT a.pid, a.application_name, a.state, a.xact_start, a.query "
+            "FROM pg_stat_activity a JOIN pg_locks l ON l.pid = a.pid "
+            "WHERE l.granted AND l.locktype = 'relation' AND l.relation = 'runs'::regclass "
+            "AND l.mode IN ('RowShareLock', 'RowExclusiveLock') AND a.pid <> pg_backend_pid()"
+        )
+        try:
+            with self.engine.connect() as conn:
+                rows = conn.exec_driver_sql(by_xmax, (run_id,)).all()
+                if not rows:
+                    rows = conn.exec_driver_sql(by_table).all()
+        except Exception:  # naming the holder is a courtesy: never hide the timeout
+            return []
+        out = []
+        for pid, app, state, xact_start, query in rows:
+            since = (
+                f", transaction open since {xact_start:%Y-%m-%d %H:%M:%S %Z}" if xact_start else ""
+            )
+            out.append(
+                f"pid {pid} (application_name {app!r}, state {state!r}{since}, "
+                f"last query {' '.join(str(query or '').split())[:120]!r})"
+            )
+        return out
 
     def _check_epoch(self, conn: Connection, run_id: str, epoch: int) -> None:
         row = conn.execute(sa.select(runs.c.current_epoch).where(runs.c.run_id == run_id)).first()
@@ -444,17 +547,41 @@ class EventStore:
 
         Memory stays bounded by the page size; each page is a short read, so a long
         replay never holds a transaction open against the writer.
+
+        The log proves it is whole while it streams: the stored offsets must run exactly
+        from the run's base (1, or the newest compaction's base) to ``runs.last_seq``, so
+        a missing, duplicated or extra row raises :class:`CorruptLogError` naming its
+        offset (no row after a gap is ever yielded). The read covers the log as it stood
+        when it began (up to ``last_seq`` then); an unknown run has no events.
         """
-        upper = to_seq if to_seq is not None else 2**62
-        nxt = max(1, from_seq)
+        doing = f"reading run {run_id!r}"
+        with self._translate_errors(doing), self.engine.connect() as conn:
+            bounds = self._checked_bounds(conn, run_id)
+        if bounds is None:
+            return
+        base, last = bounds
+        mark = "?" if self._is_sqlite else "%s"
+        last_sql = f"SELECT last_seq FROM runs WHERE run_id = {mark}"
+        nxt = expected = max(base, from_seq)
+        upper = last if to_seq is None else min(to_seq, last)
         parse_ts = _parse_ts
-        while nxt <= upper:
-            with self._translate_errors(f"reading run {run_id!r}"), self.engine.connect() as conn:
+        first_page = True
+        while True:
+            with self._translate_errors(doing), self.engine.connect() as conn:
+                if not first_page:
+                    # Each page sees what was appended since the previous one. last_seq is
+                    # read before the page: every row up to it is committed, so visible.
+                    last = conn.exec_driver_sql(last_sql, (run_id,)).scalar_one()
+                    upper = last if to_seq is None else min(to_seq, last)
+                first_page = False
+                if nxt > upper:
+                    break
                 rows = self._fetch_tuples(conn, self._read_sql, (run_id, nxt, upper, page_size))
-            if not rows:
-                return
             # Columns come in StoredEvent's field order (see _READ_COLS).
             for run, seq, epoch, type_, version, payload, ts, step, wv, gid, pidx, tstep in rows:
+                if seq != expected:
+                    self._raise_gap(run_id, expected, seq, last)
+                expected += 1
                 yield StoredEvent(
                     run,
                     seq,
@@ -470,8 +597,144 @@ class EventStore:
                     tstep,
                 )
             if len(rows) < page_size:
-                return
+                break
             nxt = rows[-1][1] + 1
+        if expected <= upper:
+            self._raise_gap(run_id, expected, None, last)
+
+    # ------------------------------------------------------------------ wholeness
+    def _bounds_sql(self) -> str:
+        mark = "?" if self._is_sqlite else "%s"
+        # Index lookups only (primary keys): cheap enough to run at every read.
+        return (
+            "SELECT r.last_seq, "
+            "(SELECT MAX(c.upto_seq) FROM compactions c WHERE c.run_id = r.run_id), "
+            "(SELECT MIN(e.seq) FROM events e WHERE e.run_id = r.run_id), "
+            "(SELECT MAX(e.seq) FROM events e WHERE e.run_id = r.run_id) "
+            f"FROM runs r WHERE r.run_id = {mark}"
+        )
+
+    def _checked_bounds(self, conn: Connection, run_id: str) -> tuple[int, int] | None:
+        """``(base, last_seq)`` of the run, after checking the stored rows' ends match them.
+
+        One statement, so one snapshot on both dialects. Interior gaps are found by the
+        streaming check of :meth:`read` (or the count of :meth:`check_log`). None for an
+        unknown run.
+        """
+        row = conn.exec_driver_sql(self._bounds_sql(), (run_id,)).first()
+        if row is None:
+            return None
+        last, upto, lo, hi = row
+        base = 1 if upto is None else upto + 1
+        if lo is not None and lo < base:
+            raise CorruptLogError(
+                run_id,
+                lo,
+                "extra",
+                f"the log starts at base offset {base}"
+                + (" (after a compaction)" if upto is not None else ""),
+            )
+        if hi is not None and hi > last:
+            first_extra = conn.execute(
+                sa.select(sa.func.min(events.c.seq)).where(
+                    events.c.run_id == run_id, events.c.seq > last
+                )
+            ).scalar_one()
+            raise CorruptLogError(run_id, first_extra, "extra", f"beyond runs.last_seq = {last}")
+        if last >= base and (hi is None or hi < last or lo != base):
+            gap = self._first_gap(conn, run_id, base, last)
+            raise CorruptLogError(
+                run_id, gap, "missing", f"offsets must run from {base} to runs.last_seq = {last}"
+            )
+        return base, last
+
+    def _first_gap(self, conn: Connection, run_id: str, base: int, last: int) -> int:
+        """The first offset in ``base..last`` with no row (only called once one is known)."""
+        mark = "?" if self._is_sqlite else "%s"
+        at_base = conn.exec_driver_sql(
+            f"SELECT 1 FROM events WHERE run_id = {mark} AND seq = {mark}", (run_id, base)
+        ).first()
+        if at_base is None:
+            return base
+        gap = conn.exec_driver_sql(
+            f"SELECT MIN(e.seq) + 1 FROM events e WHERE e.run_id = {mark} AND e.seq >= {mark} "
+            f"AND e.seq < {mark} AND NOT EXISTS (SELECT 1 FROM events f "
+            "WHERE f.run_id = e.run_id AND f.seq = e.seq + 1)",
+            (run_id, base, last),
+        ).scalar()
+        return int(gap) if gap is not None else last
+
+    def _compaction_base(self, run_id: str) -> int:
+        with self.engine.connect() as conn:
+            upto = conn.execute(
+                sa.select(sa.func.max(compactions.c.upto_seq)).where(compactions.c.run_id == run_id)
+            ).scalar()
+        return 1 if upto is None else int(upto) + 1
+
+    def _raise_gap(self, run_id: str, expected: int, got: int | None, last: int) -> None:
+        """Raise the :class:`CorruptLogError` for a read that found ``got`` at ``expected``."""
+        base = self._compaction_base(run_id)
+        if expected < base:
+            # Not corruption: a compaction removed these rows while the read went on.
+            raise StoreError(
+                f"events of run {run_id!r} up to offset {base - 1} were removed by a "
+                "compaction while they were being read; read again from the new base"
+            )
+        if got is not None and got < expected:
+            raise CorruptLogError(run_id, got, "duplicate", "the offset is stored twice")
+        raise CorruptLogError(
+            run_id, expected, "missing", f"offsets must run from {base} to runs.last_seq = {last}"
+        )
+
+    def _check_whole_upto(self, conn: Connection, run_id: str, upto: int) -> None:
+        """Rows ``base..upto`` are all stored (the ends are checked by the bounds check)."""
+        bounds = self._checked_bounds(conn, run_id)
+        if bounds is None:
+            return
+        base, last = bounds
+        upto = min(upto, last)
+        if upto < base:
+            return
+        count = conn.execute(
+            sa.select(sa.func.count())
+            .select_from(events)
+            .where(events.c.run_id == run_id, events.c.seq >= base, events.c.seq <= upto)
+        ).scalar_one()
+        if count != upto - base + 1:
+            gap = self._first_gap(conn, run_id, base, upto)
+            raise CorruptLogError(
+                run_id, gap, "missing", f"offsets must run from {base} to runs.last_seq = {last}"
+            )
+
+    def check_log(self, run_id: str | None = None) -> None:
+        """Check that each run's (or only ``run_id``'s) rows are exactly ``base..last_seq``.
+
+        A count, a minimum and a maximum per run (index scans): the cheap whole-log check
+        for paths that read through SQL views instead of :meth:`read` (``audit``).
+        Raises :class:`CorruptLogError` naming the first wrong offset. An unknown
+        ``run_id`` is not checked (the caller reports it).
+        """
+        mark = "?" if self._is_sqlite else "%s"
+        sql = (
+            "SELECT r.run_id, r.last_seq, "
+            "(SELECT MAX(c.upto_seq) FROM compactions c WHERE c.run_id = r.run_id), "
+            "(SELECT COUNT(*) FROM events e WHERE e.run_id = r.run_id) FROM runs r"
+            + ("" if run_id is None else f" WHERE r.run_id = {mark}")
+        )
+        with self._translate_errors("checking the log is whole"), self.engine.connect() as conn:
+            found = conn.exec_driver_sql(sql, () if run_id is None else (run_id,)).all()
+            for rid, last, upto, count in found:
+                base = 1 if upto is None else upto + 1
+                # The ends first (they name extra rows); then the count finds interior gaps.
+                self._checked_bounds(conn, rid)
+                if count != max(0, last - base + 1):
+                    gap = self._first_gap(conn, rid, base, last)
+                    raise CorruptLogError(
+                        rid,
+                        gap,
+                        "missing",
+                        f"offsets must run from {base} to runs.last_seq = {last}",
+                    )
 
     def _fetch_tuples(
         self, conn: Connection, sql: str, params: tuple[Any, ...]
@@ -519,6 +782,9 @@ class EventStore:
         # read(): a step's lookup returns thousands of rows.
         sql = f"SELECT {_READ_COLS} FROM events WHERE {' AND '.join(conds)}"
         with self._translate_errors(f"querying run {run_id!r}"), self.engine.connect() as conn:
+            # The ends of the log are checked (cheap); interior gaps need a full read.
+            if self._checked_bounds(conn, run_id) is None:
+                return []
             rows = self._fetch_tuples(conn, sql, tuple(params))
         rows.sort(key=lambda r: r[1])
         parse_ts = _parse_ts
@@ -548,7 +814,12 @@ class EventStore:
                 )
 
     def load_snapshot(self, run_id: str, at_or_before: int | None = None) -> Snapshot | None:
-        """The newest snapshot with ``seq <= at_or_before`` (any, when None), or None."""
+        """The newest snapshot with ``seq <= at_or_before`` (any, when None), or None.
+
+        A snapshot stands for the events before it, which a replay from it never reads:
+        so the log is checked whole up to it here (one count over the run's primary key),
+        :class:`CorruptLogError` naming the first missing offset otherwise.
+        """
         q = sa.select(snapshots).where(snapshots.c.run_id == run_id)
         if at_or_before is not None:
             q = q.where(snapshots.c.seq <= at_or_before)
@@ -556,6 +827,8 @@ class EventStore:
         with self._translate_errors(f"loading a snapshot of run {run_id!r}"):
             with self.engine.connect() as conn:
                 row = conn.execute(q).first()
+                if row is not None:
+                    self._check_whole_upto(conn, run_id, row.seq)
         if row is None:
             return None
         return Snapshot(
@@ -635,6 +908,11 @@ def _make_engine(url: URL, *, readonly: bool) -> Engine:
         return _make_sqlite_engine(url, readonly=readonly)
     try:
         connect_args: dict[str, Any] = {"connect_timeout": 10}
+        if "application_name" not in url.query:
+            # Names this process in pg_stat_activity, so a blocked takeover can say which
+            # writer holds the run's lock.
+            name = f"rolloutlog pid {os.getpid()} on {socket.gethostname()}"
+            connect_args["application_name"] = name[:63]
         if readonly:
             connect_args["options"] = "-c default_transaction_read_only=on"
         return sa.create_engine(

@@ -222,6 +222,7 @@ def audit(
         with SqlAudit(
             db_url, limit=limit, timeout_s=timeout_s, allow_privileged_role=allow_privileged_role
         ) as db:
+            db.store.check_log(run_id)  # the views must not count an incomplete log
             if sql is not None:
                 db.require_reader()  # before anything else runs for the query
                 if run_id is not None or (":run_id" in sql and "run_id" not in bound):

@@ -100,6 +100,7 @@ def metrics(
     store = open_store(db_url)
     try:
         run = _pick_run(store, run_id)
+        store.check_log(run)  # never count an incomplete log (issue 9)
         last = store.last_seq(run)
         if to_seq is not None and to_seq > last:
             raise click.ClickException(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -160,14 +161,55 @@ def test_many_submits_share_few_transactions(db_url, open_store, committers) -> 
     assert [e.payload for e in got] == [make_event(i).payload for i in range(1, n + 1)]
 
 
-def test_max_batch_splits_transactions(db_url, open_store, committers) -> None:
+class _GatedStore:
+    """Delegates to a real store; records each append's offsets; the first append waits
+    for ``release`` (so later submissions queue up behind it)."""
+
+    def __init__(self, store: EventStore) -> None:
+        self.store = store
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.commits: list[tuple[int, int]] = []  # (first, last) offsets per transaction
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.store, name)
+
+    def append(self, run_id: str, batch: list, **kwargs: object) -> int:
+        self.entered.set()
+        assert self.release.wait(30), "the test never released the first append"
+        last = self.store.append(run_id, batch, **kwargs)  # type: ignore[arg-type]
+        if batch:
+            self.commits.append((last - len(batch) + 1, last))
+        return last
+
+
+def test_max_batch_cuts_between_submissions_only(db_url, open_store, committers) -> None:
+    """A batch boundary never falls inside one submission (one command's events); a
+    submission larger than max_batch commits alone, whole."""
     store = open_store(db_url)
     store.create_run("r1")
-    gc = committers(store, max_batch=10, window_s=0.01)
-    assert gc.submit(make_batch(1, 25)) == 25
-    assert gc.flush() == 25
-    assert len(gc.commit_seconds) >= 3
-    assert [e.seq for e in store.read("r1")] == list(range(1, 26))
+    gated = _GatedStore(store)
+    gc = committers(gated, max_batch=10, window_s=0.0)
+    gc.submit(make_batch(1, 1))
+    assert gated.entered.wait(30)
+    # Queued behind the blocked first commit: 4+4+4 would cut at 10 inside the third.
+    sizes = [4, 4, 4, 7, 25, 1, 3, 9, 2]
+    units = []
+    nxt = 2
+    for n in sizes:
+        assert gc.submit(make_batch(nxt, n)) == nxt + n - 1
+        units.append((nxt, nxt + n - 1))
+        nxt += n
+    gated.release.set()
+    assert gc.flush(timeout=30) == nxt - 1
+    starts = {1} | {first for first, _ in units}
+    ends = {1} | {last for _, last in units}
+    for first, last in gated.commits:
+        assert first in starts and last in ends, f"commit {first}..{last} splits a submission"
+        if last - first + 1 > 10:
+            assert (first, last) in units, f"an oversized commit {first}..{last} is not one unit"
+    assert (21, 45) in gated.commits  # the 25-event submission, alone and whole
+    assert [e.seq for e in store.read("r1")] == list(range(1, nxt))
 
 
 def test_submitted_payloads_are_durable_with_their_events(db_url, open_store, committers) -> None:
@@ -266,3 +308,70 @@ def test_constructor_validation(db_url, open_store) -> None:
         GroupCommitter(store, "r1", epoch=1, next_seq=1, max_batch=0)
     with pytest.raises(ValueError, match="window_s"):
         GroupCommitter(store, "r1", epoch=1, next_seq=1, window_s=-1)
+
+
+def test_aflush_cancelled_on_a_closed_loop_does_not_kill_the_writer(
+    db_url, open_store, committers
+) -> None:
+    """An aflush cancelled (its asyncio.run over, its loop closed) while the commit is in
+    progress: the writer drops that waiter and goes on; a later flush does not hang."""
+    store = open_store(db_url)
+    store.create_run("r1")
+    gc = committers(_SlowStore(store, 0.3), window_s=0.0)
+
+    async def main() -> bool:
+        gc.submit(make_batch(1, 1))
+        try:
+            await asyncio.wait_for(gc.aflush(), timeout=0.01)
+        except TimeoutError:
+            return True
+        return False
+
+    assert asyncio.run(main()), "the commit was expected to outlast the aflush"
+    assert gc.submit(make_batch(2, 1)) == 2
+    assert gc.flush(timeout=10) == 2
+    assert [e.seq for e in store.read("r1")] == [1, 2]
+
+
+def test_an_error_in_the_notify_path_is_stored_and_raised(db_url, open_store, committers) -> None:
+    """The writer never dies silently: an error while notifying an awaiting loop fails the
+    committer, and flush, aflush and submit raise it instead of hanging."""
+    store = open_store(db_url)
+    store.create_run("r1")
+    gc = committers(_SlowStore(store, 0.1), window_s=0.0)
+
+    def broken(*_args: object) -> None:
+        raise ValueError("notify boom")
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.call_soon_threadsafe = broken  # type: ignore[method-assign]
+        gc.submit(make_batch(1, 1))
+        # This waiter cannot be woken (its loop refuses callbacks): bounded by wait_for.
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(gc.aflush(), timeout=2)
+
+    asyncio.run(main())
+    with pytest.raises(GroupCommitClosedError, match="notify boom"):
+        gc.flush(timeout=10)
+    with pytest.raises(GroupCommitClosedError, match="notify boom"):
+        gc.submit(make_batch(2, 1))
+    with pytest.raises(GroupCommitClosedError, match="notify boom"):
+        asyncio.run(gc.aflush())
+    gc.close()  # does not hang after the failure
+
+
+class _DyingStore(_SlowStore):
+    """Its append ends the writer thread with a BaseException that is not an Exception."""
+
+    def append(self, *args: object, **kwargs: object) -> int:
+        raise SystemExit("writer thread killed")
+
+
+def test_flush_never_hangs_when_the_writer_thread_ends(db_url, open_store, committers) -> None:
+    store = open_store(db_url)
+    store.create_run("r1")
+    gc = committers(_DyingStore(store, 0.0), window_s=0.0)
+    gc.submit(make_batch(1, 1))
+    with pytest.raises(GroupCommitClosedError, match="writer thread killed"):
+        gc.flush(timeout=10)

@@ -219,3 +219,32 @@ def test_history_segments_random_restores(
         assert [r.seq for r in store.read_history(run, k)] == to_k
         if k and k in want:
             assert to_k == [s for s in want if s <= k]
+
+
+def test_create_run_writes_its_first_events_in_the_same_transaction(
+    make_store: Callable[[], Any],
+) -> None:
+    """Issue 9 item 7: the run's row and its first events commit together."""
+    store = make_store()
+    info = store.create_run(
+        "r",
+        config_fingerprint="fp",
+        first_events=[ev(1), ev(2)],
+        payload_puts=[PayloadPut("p1", "k", b"\x01")],
+    )
+    assert (info.last_seq, info.current_epoch) == (2, 1)
+    assert [r.seq for r in store.read("r")] == [1, 2]
+    assert store.get_payload("r", "p1") == b"\x01"
+    assert store.history_segments("r") == [(1, 2)]
+    # The next append continues after them; a second create writes nothing.
+    assert store.append("r", [ev(3)], expected_seq=3, epoch=1) == 3
+    with pytest.raises(RunExistsError):
+        store.create_run("r", first_events=[ev(9)], payload_puts=[PayloadPut("p9", "k", b"")])
+    assert [r.payload for r in store.read("r")] == [f'{{"i":{i}}}' for i in (1, 2, 3)]
+    with pytest.raises(PayloadNotFoundError):
+        store.get_payload("r", "p9")
+    with pytest.raises(StoreError, match="together"):
+        store.create_run("r2", payload_puts=[PayloadPut("p", "k", b"")])
+    with pytest.raises(RunNotFoundError):
+        store.get_run("r2")
+    store.check_log()
