@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from eventstore import EventStore, StoredEvent
+from rolloutlog.eventstore import EventStore, StoredEvent
 
 from .domain import decide, evolve, find_violations
 from .domain.commands import (
@@ -43,7 +43,7 @@ from .domain.events import (
     WeightsPublished,
 )
 from .domain.state import Phase, RunState
-from .rollout import _check_cursors, iter_history, replay
+from .rollout_controller import _check_cursors, iter_history, replay
 
 _ALWAYS_LEADS = {
     "RunStarted",

@@ -37,7 +37,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from eventstore import EventStore, RunNotFoundError, StoreError
+from rolloutlog.eventstore import EventStore, RunNotFoundError, StoreError
 
 #: The audit views and what each holds (columns: ``docs/sql-cookbook.md``).
 VIEWS: dict[str, str] = {

@@ -2,7 +2,7 @@
 
 SQLite (embedded default) and PostgreSQL backends behind one :class:`EventStore`, a
 :class:`GroupCommitter` for batched durable appends, an :class:`EventCodec` mapping
-typed pydantic events to rows, and one error hierarchy (:mod:`eventstore.errors`).
+typed pydantic events to rows, and one error hierarchy (:mod:`rolloutlog.eventstore.errors`).
 """
 
 from .codec import NO_AUDIT_KEYS, AuditKeys, EventCodec, EventModel

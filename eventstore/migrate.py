@@ -23,7 +23,7 @@ _OWN_TABLES = {"runs", "events", "epochs", "payloads", "snapshots"}
 
 def migrations_dir() -> Path:
     """Folder of the alembic environment shipped with rolloutlog."""
-    import migrations
+    from rolloutlog import migrations
 
     return Path(migrations.__file__).resolve().parent
 

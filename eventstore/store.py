@@ -125,7 +125,7 @@ class EventStore:
 
     Open with :meth:`open`. All methods are synchronous and thread-safe (each call takes a
     pooled connection); the asyncio controller reaches the disk through
-    :class:`eventstore.groupcommit.GroupCommitter`, which runs appends on its own thread.
+    :class:`rolloutlog.eventstore.groupcommit.GroupCommitter`, which runs appends on its own thread.
     """
 
     def __init__(self, engine: Engine, url: URL, *, readonly: bool = False) -> None:

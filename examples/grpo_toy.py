@@ -1,15 +1,15 @@
 """GRPO on the toy task through rolloutlog's library API, with a resumable checkpoint.
 
-The loop, spelled out (``controller.grpo_loop.run_training`` is the same loop with
+The loop, spelled out (``rolloutlog.grpo.loop.run_training`` is the same loop with
 more options; ``rolloutlog run`` and ``rolloutlog demo`` use it):
 
 1. Build the tiny torch policy locally (no hub access) and wrap it in a
-   :class:`~controller.trainer.GRPOTrainer`.
-2. Open the log (:class:`eventstore.EventStore`, SQLite or PostgreSQL URL) and either
+   :class:`~rolloutlog.grpo.trainer.GRPOTrainer`.
+2. Open the log (:class:`rolloutlog.eventstore.EventStore`, SQLite or PostgreSQL URL) and either
    start a run (:meth:`RolloutController.start`) or restore it
    (:meth:`RolloutController.restore`) from the rollout offset stored in the newest
    model checkpoint.
-3. Run the rollout pump (:class:`~controller.runtime.RolloutRuntime`) against a
+3. Run the rollout pump (:class:`~rolloutlog.controller.rollout_runtime.RolloutRuntime`) against a
    generation backend (the in-process torch backend here).
 4. Per step: ``next_batch(step)`` (durable before it returns), ``trainer.train_step``,
    ``report_trained``, ``publish_weights``; every ``--checkpoint-every`` steps
@@ -38,15 +38,15 @@ from typing import Any
 
 import torch
 
-from controller.backends.torch_backend import TorchBackend
-from controller.config import RolloutConfig, StoreConfig
-from controller.grpo_loop import TokenizedPrompts
-from controller.models import build_tiny_model, load_policy
-from controller.rollout import RolloutController
-from controller.runtime import GenerationConfig, RolloutRuntime
-from controller.task import ToyTask, ToyTaskConfig
-from controller.trainer import GRPOConfig, GRPOTrainer, TrainSample
-from eventstore import EventStore
+from rolloutlog.controller.backends.torch_backend import TorchBackend
+from rolloutlog.controller.config import RolloutConfig, StoreConfig
+from rolloutlog.controller.rollout_controller import RolloutController
+from rolloutlog.controller.rollout_runtime import GenerationConfig, RolloutRuntime
+from rolloutlog.eventstore import EventStore
+from rolloutlog.grpo.loop import TokenizedPrompts
+from rolloutlog.grpo.tiny_model import build_tiny_model, load_policy
+from rolloutlog.grpo.toy_task import ToyTask, ToyTaskConfig
+from rolloutlog.grpo.trainer import GRPOConfig, GRPOTrainer, TrainSample
 
 MAX_MODEL_LEN = 64
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import context
 
-from eventstore.schema import metadata
+from rolloutlog.eventstore.schema import metadata
 
 config = context.config
 target_metadata = metadata

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from controller.benchmarks.domain_bench import (
+from rolloutlog.bench.domain_bench import (
     PARTS,
     TARGETS,
     DomainBenchSizes,
@@ -28,11 +28,11 @@ from controller.benchmarks.domain_bench import (
     scaled_sizes,
     workload_config,
 )
-from controller.cli import main
-from controller.domain import check_invariants
-from controller.domain.state import Loan, Phase, RunState
-from controller.rollout import replay
-from eventstore import EventStore
+from rolloutlog.cli import main
+from rolloutlog.controller.domain import check_invariants
+from rolloutlog.controller.domain.state import Loan, Phase, RunState
+from rolloutlog.controller.rollout_controller import replay
+from rolloutlog.eventstore import EventStore
 
 TINY = DomainBenchSizes(
     checkpoint_groups=(5, 50),

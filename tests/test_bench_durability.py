@@ -6,7 +6,7 @@ import json
 
 from click.testing import CliRunner
 
-from controller.cli import main
+from rolloutlog.cli import main
 
 
 def test_durability_bench_json() -> None:

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from controller.benchmarks import store_bench
-from controller.cli import main
-from eventstore import EventStore
+from rolloutlog.bench import store_bench
+from rolloutlog.cli import main
+from rolloutlog.eventstore import EventStore
 
 EVENTS = 2000
 SYSTEMS = {

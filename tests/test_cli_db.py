@@ -12,9 +12,9 @@ import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner, Result
 
-from controller.cli import main
-from eventstore import EventStore, migrate
-from eventstore.schema import metadata
+from rolloutlog.cli import main
+from rolloutlog.eventstore import EventStore, migrate
+from rolloutlog.eventstore.schema import metadata
 
 UNREACHABLE_PG = "postgresql+psycopg://postgres@127.0.0.1:1/nothing"
 NEXT_REVISION = "ffff_cli_next"

@@ -15,8 +15,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy.engine import Connection, Engine
 
-from eventstore import EventStore, NewEvent, SchemaMismatchError, migrate
-from eventstore.schema import metadata
+from rolloutlog.eventstore import EventStore, NewEvent, SchemaMismatchError, migrate
+from rolloutlog.eventstore.schema import metadata
 
 OWN_TABLES = set(metadata.tables)
 FUTURE_REVISION = "ffff_next_for_tests"

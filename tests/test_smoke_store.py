@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from eventstore import EventStore, NewEvent
+from rolloutlog.eventstore import EventStore, NewEvent
 
 
 def test_append_read_round_trip(db_url: str) -> None:

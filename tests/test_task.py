@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from controller.models import build_tokenizer
-from controller.task import ToyTask, ToyTaskConfig
+from rolloutlog.grpo.tiny_model import build_tokenizer
+from rolloutlog.grpo.toy_task import ToyTask, ToyTaskConfig
 
 TOKENIZER = build_tokenizer()
 VOCAB = len(TOKENIZER)

@@ -12,10 +12,10 @@ import torch
 from pydantic import ValidationError
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from controller.backends.base import SiblingResult
-from controller.models import TinyModelSpec, build_tiny_model, load_policy
-from controller.task import ToyTask, ToyTaskConfig
-from controller.trainer import (
+from rolloutlog.controller.backends.base import SiblingResult
+from rolloutlog.grpo.tiny_model import TinyModelSpec, build_tiny_model, load_policy
+from rolloutlog.grpo.toy_task import ToyTask, ToyTaskConfig
+from rolloutlog.grpo.trainer import (
     GRPOConfig,
     GRPOTrainer,
     TrainSample,

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from controller.backends.base import (
+from rolloutlog.controller.backends.base import (
     BackendAbortedError,
     BackendError,
     BackendUnavailableError,
@@ -29,11 +29,14 @@ from controller.backends.base import (
     validate_results,
     validate_weight_update,
 )
-from controller.backends.testing import MALFORMED_MODES, DeterministicBackend
+from rolloutlog.controller.backends.deterministic_backend import (
+    MALFORMED_MODES,
+    DeterministicBackend,
+)
 
 if TYPE_CHECKING:
-    from controller.backends.torch_backend import TorchBackend
-    from controller.backends.vllm_backend import VLLMBackend
+    from rolloutlog.controller.backends.torch_backend import TorchBackend
+    from rolloutlog.controller.backends.vllm_backend import VLLMBackend
 
 __all__ = [
     "BACKEND_KINDS",
@@ -62,11 +65,11 @@ BACKEND_KINDS: tuple[str, ...] = ("deterministic", "torch", "vllm")
 
 def __getattr__(name: str) -> Any:
     if name == "TorchBackend":
-        from controller.backends.torch_backend import TorchBackend
+        from rolloutlog.controller.backends.torch_backend import TorchBackend
 
         return TorchBackend
     if name == "VLLMBackend":
-        from controller.backends.vllm_backend import VLLMBackend
+        from rolloutlog.controller.backends.vllm_backend import VLLMBackend
 
         return VLLMBackend
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -107,7 +110,7 @@ def make_backend(
         max_model_len = int(config["max_position_embeddings"])
     if kind == "deterministic":
         if config is not None:
-            from controller.backends.vllm_backend import checkpoint_shapes
+            from rolloutlog.controller.backends.vllm_backend import checkpoint_shapes
 
             eos = config.get("eos_token_id")
             options.setdefault("vocab_size", int(config["vocab_size"]))
@@ -117,10 +120,10 @@ def make_backend(
     if model_dir is None:
         raise ValueError(f"backend kind {kind!r} needs model_dir")
     if kind == "torch":
-        from controller.backends.torch_backend import TorchBackend
+        from rolloutlog.controller.backends.torch_backend import TorchBackend
 
         return TorchBackend(model_dir, max_model_len=max_model_len, seed=seed, **options)
-    from controller.backends.vllm_backend import VLLMBackend
+    from rolloutlog.controller.backends.vllm_backend import VLLMBackend
 
     assert max_model_len is not None
     return VLLMBackend(model_dir, max_model_len, seed=seed, **options)

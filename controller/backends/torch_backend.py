@@ -32,7 +32,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from controller.backends.base import (
+from rolloutlog.controller.backends.base import (
     BackendAbortedError,
     BackendError,
     BackendUnavailableError,

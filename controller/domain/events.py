@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from eventstore import AuditKeys, EventCodec, EventModel
+from rolloutlog.eventstore import AuditKeys, EventCodec, EventModel
 
 CODEC = EventCodec()
 

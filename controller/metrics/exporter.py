@@ -106,9 +106,10 @@ class ExporterHandle:
 
 
 def start_exporter(source: MetricsSource, port: int, *, addr: str = "0.0.0.0") -> ExporterHandle:
-    """Serve ``source`` (e.g. a :class:`~controller.metrics.projection.MetricsProjection`,
-    :class:`~controller.metrics.live.LiveMetrics` or
-    :class:`~controller.metrics.live.LogTailer`) at ``http://addr:port/metrics``.
+    """Serve ``source`` (e.g. a
+    :class:`~rolloutlog.controller.metrics.projection.MetricsProjection`,
+    :class:`~rolloutlog.controller.metrics.live.LiveMetrics` or
+    :class:`~rolloutlog.controller.metrics.live.LogTailer`) at ``http://addr:port/metrics``.
 
     ``port=0`` picks a free port (read it from the handle). Raises :class:`OSError`
     when the port cannot be bound.

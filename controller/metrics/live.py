@@ -22,13 +22,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from eventstore import EventStore, StoreError
+from rolloutlog.eventstore import EventStore, StoreError
 
 from ..domain.events import CODEC, CheckpointMarked, RolloutEvent
 from .projection import METRICS, EventMeta, Family, Histogram, MetricsProjection, Sample
 
 if TYPE_CHECKING:
-    from ..rollout import RecoveryReport, RolloutController
+    from ..rollout_controller import RecoveryReport, RolloutController
     from .exporter import ExporterHandle
 
 log = logging.getLogger(__name__)

@@ -1,9 +1,9 @@
 """Metrics as a projection: one fold over the log's events, live or offline.
 
 :class:`MetricsProjection` is the only code that turns events into metric values. The
-live path (a controller listener, see :mod:`controller.metrics.live`) and the offline
-path (rows read back with :func:`controller.rollout.iter_history`) call the same
-:meth:`MetricsProjection.apply` with the same inputs: the event's offset, the stored
+live path (a controller listener, see :mod:`rolloutlog.controller.metrics.live`) and the offline
+path (rows read back with :func:`rolloutlog.controller.rollout_controller.iter_history`) call the
+same :meth:`MetricsProjection.apply` with the same inputs: the event's offset, the stored
 row's metadata (:class:`EventMeta`: ``recorded_at`` UTC, the train step and weight
 version at that moment, the epoch) and the decoded event. So a projection computed live
 and the same projection recomputed from the log are equal, value for value.
@@ -13,7 +13,7 @@ groups (phase, siblings in flight, token counts and rewards of finished siblings
 tokens a group commits are only known by adding up its siblings), and two time series:
 one row per trained step and one per restore. Timing metrics that the log cannot know
 (append latency, checkpoint and restore durations) are not part of the fold; they live
-in :class:`controller.metrics.live.LiveTimings`.
+in :class:`rolloutlog.controller.metrics.live.LiveTimings`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
-from eventstore import EventStore, StoredEvent
+from rolloutlog.eventstore import EventStore, StoredEvent
 
 from ..domain.events import (
     CODEC,
@@ -918,7 +918,8 @@ def fold_rows(
     rows: Iterable[tuple[StoredEvent, RolloutEvent]],
     projection: MetricsProjection | None = None,
 ) -> MetricsProjection:
-    """Fold decoded rows (as :func:`controller.rollout.iter_history` yields them)."""
+    """Fold decoded rows (as :func:`rolloutlog.controller.rollout_controller.iter_history` yields
+    them)."""
     proj = projection if projection is not None else MetricsProjection()
     for row, event in rows:
         proj.apply_row(row, event)
@@ -956,7 +957,7 @@ def project_history(
     ``from_seq``, counters, histograms and the series cover events ``from_seq..to_seq``
     only. Ranges a restore abandoned are not part of a history and are never counted.
     """
-    from ..rollout import iter_history
+    from ..rollout_controller import iter_history
 
     proj = MetricsProjection()
     base: MetricsProjection | None = None

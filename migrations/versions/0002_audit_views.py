@@ -5,8 +5,8 @@ Revises: 0001_initial
 Create Date: 2026-12-01
 
 Every view is restricted to the *current history* of each run: the chain of epochs that
-:meth:`eventstore.EventStore.history_segments` walks. Rows that a restore abandoned stay in
-``events`` (for audit and salvage) but appear only in ``abandoned_events``.
+:meth:`rolloutlog.eventstore.EventStore.history_segments` walks. Rows that a restore abandoned stay
+in ``events`` (for audit and salvage) but appear only in ``abandoned_events``.
 
 The history rule, computed in SQL by ``history_spans`` with a recursive CTE:
 

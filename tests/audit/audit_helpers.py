@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from controller.audit import PromptLedger
-from controller.config import RolloutConfig, StoreConfig
-from controller.domain.commands import (
+from rolloutlog.controller.config import RolloutConfig, StoreConfig
+from rolloutlog.controller.domain.commands import (
     AdmitStep,
     CompleteSibling,
     DispatchSiblings,
@@ -25,10 +24,11 @@ from controller.domain.commands import (
     RecordTrainStep,
     SelectBatch,
 )
-from controller.domain.state import RunState, SiblingStatus
-from controller.rollout import RolloutController
-from controller.sql_audit import SqlAudit
-from eventstore import EventStore, StoredEvent
+from rolloutlog.controller.domain.state import RunState, SiblingStatus
+from rolloutlog.controller.prompt_ledger import PromptLedger
+from rolloutlog.controller.rollout_controller import RolloutController
+from rolloutlog.controller.sql_audit import SqlAudit
+from rolloutlog.eventstore import EventStore, StoredEvent
 
 RUN_ID = "audit-run"
 DATASET_SIZE = 60

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from controller.audit import build_ledger
-from controller.rollout import replay
-from controller.sql_audit import SqlAudit
-from eventstore import EventStore
+from rolloutlog.controller.prompt_ledger import build_ledger
+from rolloutlog.controller.rollout_controller import replay
+from rolloutlog.controller.sql_audit import SqlAudit
+from rolloutlog.eventstore import EventStore
 
 _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:
@@ -84,7 +84,7 @@ def reader_role(audit_run: BuiltRun) -> Iterator[tuple[str, str]]:
         pytest.skip("reader roles are PostgreSQL's")
     from click.testing import CliRunner
 
-    from controller.cli import main
+    from rolloutlog.cli import main
 
     role = f"rl_reader_{uuid.uuid4().hex[:12]}"
     try:

@@ -23,8 +23,8 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controller.cli import main
-from controller.sql_audit import AuditError, QueryRefusedError, SqlAudit
+from rolloutlog.cli import main
+from rolloutlog.controller.sql_audit import AuditError, QueryRefusedError, SqlAudit
 
 #: A path no attack may create (COPY TO PROGRAM 'touch', COPY TO file, ATTACH, VACUUM INTO).
 MARK = Path(tempfile.gettempdir()) / f"rolloutlog-attack-{uuid.uuid4().hex}"

@@ -11,8 +11,8 @@ import pytest
 from audit_helpers import BuiltRun
 from click.testing import CliRunner, Result
 
-from controller.cli import main
-from eventstore import EventStore, migrate
+from rolloutlog.cli import main
+from rolloutlog.eventstore import EventStore, migrate
 
 
 def cli(*args: str, input: str | None = None) -> Result:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from audit_helpers import BuiltRun
 
-from controller.sql_audit import VIEWS, param_names
+from rolloutlog.controller.sql_audit import VIEWS, param_names
 
 COOKBOOK = Path(__file__).resolve().parents[2] / "docs" / "sql-cookbook.md"
 _BLOCK = re.compile(r"^```sql\n(.*?)^```", re.S | re.M)
@@ -120,8 +120,8 @@ def check_live_prompts(b: BuiltRun) -> None:
 
 
 def _selected_staleness(b: BuiltRun) -> dict[int, list[int]]:
-    from controller.domain import CODEC
-    from controller.domain.events import GroupSelected
+    from rolloutlog.controller.domain import CODEC
+    from rolloutlog.controller.domain.events import GroupSelected
 
     out: dict[int, list[int]] = defaultdict(list)
     for row in b.history:

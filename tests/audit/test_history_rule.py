@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 
 import sqlalchemy as sa
 
-from eventstore import EventStore, NewEvent
+from rolloutlog.eventstore import EventStore, NewEvent
 
 
 def _append(store: EventStore, run_id: str, n: int) -> None:

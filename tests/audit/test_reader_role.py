@@ -23,9 +23,9 @@ import sqlalchemy as sa
 from audit_helpers import BuiltRun, drop_role
 from click.testing import CliRunner, Result
 
-from controller.cli import main
-from controller.sql_audit import role_problems
-from eventstore import EventStore
+from rolloutlog.cli import main
+from rolloutlog.controller.sql_audit import role_problems
+from rolloutlog.eventstore import EventStore
 
 pytestmark = pytest.mark.postgres
 
@@ -262,7 +262,7 @@ def test_read_commands_work_as_the_reader(
         as_owner = cli(args[0], b.url, *args[1:])
         assert _comparable(as_reader.stdout) == _comparable(as_owner.stdout), args
     proc = subprocess.Popen(
-        [sys.executable, "-c", "from controller.cli import main; main()", "serve-metrics", url,
+        [sys.executable, "-c", "from rolloutlog.cli import main; main()", "serve-metrics", url,
          "--port", "0", "--host", "127.0.0.1", "--interval", "0.1"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},

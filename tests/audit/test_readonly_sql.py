@@ -10,7 +10,7 @@ import pytest
 import sqlalchemy as sa
 from audit_helpers import BuiltRun
 
-from controller.sql_audit import (
+from rolloutlog.controller.sql_audit import (
     AuditError,
     MissingParameterError,
     QueryRefusedError,
@@ -20,7 +20,7 @@ from controller.sql_audit import (
     check_select,
     param_names,
 )
-from eventstore import EventStore, SchemaMismatchError, StoreUnavailableError, migrate
+from rolloutlog.eventstore import EventStore, SchemaMismatchError, StoreUnavailableError, migrate
 
 # ---------------------------------------------------------------- the lexical check
 

@@ -11,11 +11,11 @@ import sqlalchemy as sa
 from alembic.script import ScriptDirectory
 from audit_helpers import BuiltRun
 
-from controller.domain import CODEC
-from controller.domain.events import GroupSelected, RunRestored
-from controller.domain.state import Phase
-from controller.sql_audit import VIEWS
-from eventstore import EventStore, migrate
+from rolloutlog.controller.domain import CODEC
+from rolloutlog.controller.domain.events import GroupSelected, RunRestored
+from rolloutlog.controller.domain.state import Phase
+from rolloutlog.controller.sql_audit import VIEWS
+from rolloutlog.eventstore import EventStore, migrate
 
 VIEW_NAMES = set(VIEWS)
 

@@ -20,8 +20,8 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
-from controller.backends import DeterministicBackend, GenerationBackend, make_backend
-from controller.models import TinyModelSpec, build_tiny_model, load_policy
+from rolloutlog.controller.backends import DeterministicBackend, GenerationBackend, make_backend
+from rolloutlog.grpo.tiny_model import TinyModelSpec, build_tiny_model, load_policy
 
 # vLLM on the CPU: read when the engine starts (its processes inherit the environment).
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")

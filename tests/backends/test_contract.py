@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from controller.backends import (
+from rolloutlog.controller.backends import (
     BackendAbortedError,
     BackendError,
     BackendUnavailableError,
@@ -29,7 +29,7 @@ from controller.backends import (
     validate_request,
     validate_results,
 )
-from controller.models import load_policy
+from rolloutlog.grpo.tiny_model import load_policy
 
 from .conftest import MAX_MODEL_LEN, SLOW_GROUP_BASE, Runner
 
@@ -375,7 +375,7 @@ def test_vllm_not_importable_names_the_cause(
 
 
 def test_vllm_missing_model_names_the_cause(tmp_path: Path, run: Runner) -> None:
-    from controller.backends import VLLMBackend
+    from rolloutlog.controller.backends import VLLMBackend
 
     backend = VLLMBackend(tmp_path / "nowhere", MAX_MODEL_LEN)
     with pytest.raises(BackendUnavailableError, match="no model at"):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from controller.backends import (
+from rolloutlog.controller.backends import (
     MALFORMED_MODES,
     BackendError,
     DeterministicBackend,

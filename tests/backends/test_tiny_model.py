@@ -8,8 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from controller.models import TinyModelSpec, build_tiny_model, build_tokenizer, load_policy
-from controller.models.tiny import ALPHABET, SPECIAL_TOKENS
+from rolloutlog.grpo.tiny_model import (
+    ALPHABET,
+    SPECIAL_TOKENS,
+    TinyModelSpec,
+    build_tiny_model,
+    build_tokenizer,
+    load_policy,
+)
 
 
 def test_tokenizer_is_character_level_and_deterministic() -> None:

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from controller.backends import GroupRequest, SamplingConfig, SiblingSpec, TorchBackend
-from controller.models import load_policy
+from rolloutlog.controller.backends import GroupRequest, SamplingConfig, SiblingSpec, TorchBackend
+from rolloutlog.grpo.tiny_model import load_policy
 
 REQUEST = GroupRequest(
     group_id=1,

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from controller.backends import (
+from rolloutlog.controller.backends import (
     BackendError,
     GroupRequest,
     MalformedResultError,

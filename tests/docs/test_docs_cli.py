@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from controller.cli import main
+from rolloutlog.cli import main
 
 CLI_MD = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from controller.config import RolloutConfig, StoreConfig, TelemetryConfig
-from controller.run_config import ModelConfig, RunConfig
-from controller.runtime import GenerationConfig
-from controller.task import ToyTaskConfig
-from controller.trainer import GRPOConfig
+from rolloutlog.controller.config import RolloutConfig, StoreConfig, TelemetryConfig
+from rolloutlog.controller.rollout_runtime import GenerationConfig
+from rolloutlog.grpo.run_config import ModelConfig, RunConfig
+from rolloutlog.grpo.toy_task import ToyTaskConfig
+from rolloutlog.grpo.trainer import GRPOConfig
 
 CONFIG_MD = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 MODELS: list[type[BaseModel]] = [
@@ -99,7 +99,7 @@ def test_run_config_overrides_documented(name: str) -> None:
 
 
 def test_sqlite_url_options_documented() -> None:
-    from eventstore.store import DEFAULT_BUSY_TIMEOUT_MS, DEFAULT_SQLITE_SYNCHRONOUS
+    from rolloutlog.eventstore.store import DEFAULT_BUSY_TIMEOUT_MS, DEFAULT_SQLITE_SYNCHRONOUS
 
     text = CONFIG_MD.read_text()
     assert f"`synchronous` | `{DEFAULT_SQLITE_SYNCHRONOUS}`" in text

@@ -4,7 +4,8 @@ Two drivers with one interface (``.state`` and ``.execute(command)``):
 
 - :class:`PureRun` decides and evolves in memory (no store), checking on every command
   that ``decide`` leaves the state untouched;
-- a :class:`controller.rollout.RolloutController` (it has the same two members).
+- a :class:`rolloutlog.controller.rollout_controller.RolloutController` (it has the same two
+  members).
 
 The helper functions below drive either one.
 """
@@ -16,8 +17,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from controller.config import RolloutConfig, StoreConfig
-from controller.domain import (
+from rolloutlog.controller.config import RolloutConfig, StoreConfig
+from rolloutlog.controller.domain import (
     AbortSibling,
     AdmitStep,
     CompleteSibling,
@@ -31,16 +32,21 @@ from controller.domain import (
     evolve,
     initial_state,
 )
-from controller.domain.commands import Command
-from controller.domain.errors import (
+from rolloutlog.controller.domain.commands import Command
+from rolloutlog.controller.domain.errors import (
     BatchNotReadyError,
     DatasetExhaustedError,
     LookaheadExceededError,
 )
-from controller.domain.events import RolloutEvent
-from controller.domain.state import GroupState, Phase, RunState, SiblingStatus
-from controller.rollout import RecoveryReport, RolloutController, iter_history, replay
-from eventstore import EventStore, PayloadPut
+from rolloutlog.controller.domain.events import RolloutEvent
+from rolloutlog.controller.domain.state import GroupState, Phase, RunState, SiblingStatus
+from rolloutlog.controller.rollout_controller import (
+    RecoveryReport,
+    RolloutController,
+    iter_history,
+    replay,
+)
+from rolloutlog.eventstore import EventStore, PayloadPut
 
 Applied = list[tuple[int, RolloutEvent]]
 

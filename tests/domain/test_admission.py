@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from domain_helpers import PureRun, admit, finish_step, kinds, only, rules, train
 
-from controller.domain import (
+from rolloutlog.controller.domain import (
     AdmitStep,
     DispatchSiblings,
     FailSibling,
@@ -16,7 +16,7 @@ from controller.domain import (
     decide,
     initial_state,
 )
-from controller.domain.errors import (
+from rolloutlog.controller.domain.errors import (
     BatchNotReadyError,
     DatasetExhaustedError,
     IllegalTransitionError,

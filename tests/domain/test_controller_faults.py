@@ -14,12 +14,18 @@ from typing import Any
 import pytest
 from domain_helpers import admit, admit_all, dispatch, finish_group, rules, start, step_groups
 
-from controller import rollout as rollout_module
-from controller.domain import AdmitStep, CompleteSibling, SelectBatch
-from controller.domain.errors import UnknownPayloadError
-from controller.metrics.live import LiveMetrics
-from controller.rollout import ControllerFailedError, RolloutController
-from eventstore import EventStore, GroupCommitClosedError, MemoryEventStore, PayloadPut, StoreError
+from rolloutlog.controller import rollout_controller as rollout_module
+from rolloutlog.controller.domain import AdmitStep, CompleteSibling, SelectBatch
+from rolloutlog.controller.domain.errors import UnknownPayloadError
+from rolloutlog.controller.metrics.live import LiveMetrics
+from rolloutlog.controller.rollout_controller import ControllerFailedError, RolloutController
+from rolloutlog.eventstore import (
+    EventStore,
+    GroupCommitClosedError,
+    MemoryEventStore,
+    PayloadPut,
+    StoreError,
+)
 
 
 class FailingAppends:
@@ -85,7 +91,7 @@ def test_a_failed_append_fails_the_controller_and_metrics_never_count_it() -> No
 
 
 def _offline_values(store: Any) -> dict[str, Any]:
-    from controller.metrics.projection import project_history
+    from rolloutlog.controller.metrics.projection import project_history
 
     return project_history(store, "run").values()  # type: ignore[no-any-return]
 

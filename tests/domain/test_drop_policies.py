@@ -18,7 +18,7 @@ from domain_helpers import (
     train,
 )
 
-from controller.domain import (
+from rolloutlog.controller.domain import (
     AdmitStep,
     DispatchSiblings,
     MarkCheckpoint,
@@ -28,8 +28,8 @@ from controller.domain import (
     SelectBatch,
     check_invariants,
 )
-from controller.domain.errors import RunFailedError
-from controller.domain.state import Loan
+from rolloutlog.controller.domain.errors import RunFailedError
+from rolloutlog.controller.domain.state import Loan
 
 
 def _drop(run: PureRun, gid: int, reason: str = "boom") -> list:

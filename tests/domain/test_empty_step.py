@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from domain_helpers import PureRun, admit_all, dispatch, fail, finish_step, kinds, only, train
 
-from controller.domain import check_invariants
+from rolloutlog.controller.domain import check_invariants
 
 
 def test_a_step_left_without_groups_trains_empty_with_recorded_shortfall() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from domain_helpers import PureRun, admit_all, dispatch, fail, finish_group, finish_step, train
 
-from controller.domain import (
+from rolloutlog.controller.domain import (
     MarkCheckpoint,
     Phase,
     Restore,
@@ -18,7 +18,7 @@ from controller.domain import (
     evolve,
     find_violations,
 )
-from controller.domain.errors import (
+from rolloutlog.controller.domain.errors import (
     ConservationError,
     CursorBehindError,
     IllegalTransitionError,
@@ -31,7 +31,7 @@ from controller.domain.errors import (
     StalenessError,
     UnknownReferenceError,
 )
-from controller.domain.events import (
+from rolloutlog.controller.domain.events import (
     GroupAdmitted,
     GroupBorrowed,
     GroupCommitted,
@@ -48,7 +48,7 @@ from controller.domain.events import (
     StepTrained,
     WeightsPublished,
 )
-from controller.domain.state import RunState
+from rolloutlog.controller.domain.state import RunState
 
 # ---------------------------------------------------------------- evolve rejections
 
@@ -201,7 +201,7 @@ def test_restore_and_resume_must_open_a_newer_epoch() -> None:
     forced = run.execute(Restore(from_offset=ckpt - 1, epoch=2, mode="strict", forced=True))
     assert forced[0][1].forced is True  # type: ignore[attr-defined]
     assert run.state.epoch == 2
-    from controller.domain.events import RunResumed
+    from rolloutlog.controller.domain.events import RunResumed
 
     with pytest.raises(MonotonicityError, match="epoch 2 opened after epoch 2"):
         _apply(run, RunResumed(epoch=2, siblings_rerun=0))

@@ -23,9 +23,9 @@ from domain_helpers import (
 )
 from test_scenarios import _salvage_history
 
-from controller.domain import PublishWeights, RecordTrainStep, SelectBatch
-from controller.rollout import iter_history
-from eventstore import EventStore
+from rolloutlog.controller.domain import PublishWeights, RecordTrainStep, SelectBatch
+from rolloutlog.controller.rollout_controller import iter_history
+from rolloutlog.eventstore import EventStore
 
 
 def _interrupted_restore(store: EventStore, offset: int) -> None:

@@ -17,7 +17,7 @@ from domain_helpers import (
     train,
 )
 
-from controller.domain import (
+from rolloutlog.controller.domain import (
     MarkCheckpoint,
     Phase,
     PublishWeights,
@@ -25,12 +25,12 @@ from controller.domain import (
     SelectBatch,
     check_invariants,
 )
-from controller.domain.errors import (
+from rolloutlog.controller.domain.errors import (
     BatchNotReadyError,
     IllegalTransitionError,
     StepOutOfOrderError,
 )
-from controller.domain.state import CheckpointRef
+from rolloutlog.controller.domain.state import CheckpointRef
 
 # ---------------------------------------------------------------- in_order
 

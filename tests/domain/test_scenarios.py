@@ -28,8 +28,8 @@ from domain_helpers import (
     store_config,
 )
 
-from controller.config import RolloutConfig
-from controller.domain import (
+from rolloutlog.controller.config import RolloutConfig
+from rolloutlog.controller.domain import (
     CODEC,
     AdmitStep,
     Phase,
@@ -39,11 +39,11 @@ from controller.domain import (
     SiblingStatus,
     check_invariants,
 )
-from controller.domain.errors import CursorBehindError, RestoreError, RunFailedError
-from controller.domain.events import CheckpointMarked
-from controller.domain.state import Loan
-from controller.rollout import RolloutController, iter_history
-from eventstore import EpochFencedError, EventStore, GroupCommitClosedError
+from rolloutlog.controller.domain.errors import CursorBehindError, RestoreError, RunFailedError
+from rolloutlog.controller.domain.events import CheckpointMarked
+from rolloutlog.controller.domain.state import Loan
+from rolloutlog.controller.rollout_controller import RolloutController, iter_history
+from rolloutlog.eventstore import EpochFencedError, EventStore, GroupCommitClosedError
 
 
 def _after(store: EventStore, offset: int, run_id: str = "run") -> list:

@@ -17,7 +17,7 @@ from domain_helpers import (
     train,
 )
 
-from controller.domain import (
+from rolloutlog.controller.domain import (
     AbortSibling,
     CompleteSibling,
     DispatchSiblings,
@@ -25,7 +25,7 @@ from controller.domain import (
     Phase,
     SiblingStatus,
 )
-from controller.domain.errors import (
+from rolloutlog.controller.domain.errors import (
     IllegalTransitionError,
     StaleAttemptError,
     UnknownGroupError,

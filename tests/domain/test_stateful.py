@@ -29,8 +29,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from controller.config import RolloutConfig
-from controller.domain import (
+from rolloutlog.controller.config import RolloutConfig
+from rolloutlog.controller.domain import (
     AbortSibling,
     AdmitStep,
     CompleteSibling,
@@ -44,15 +44,15 @@ from controller.domain import (
     SiblingStatus,
     check_invariants,
 )
-from controller.domain.errors import (
+from rolloutlog.controller.domain.errors import (
     BatchNotReadyError,
     DatasetExhaustedError,
     LookaheadExceededError,
     RunFailedError,
     StaleAttemptError,
 )
-from controller.rollout import RolloutController, replay
-from eventstore import EventStore, PayloadPut
+from rolloutlog.controller.rollout_controller import RolloutController, replay
+from rolloutlog.eventstore import EventStore, PayloadPut
 
 RUN = "stateful"
 SNAPSHOT_INTERVAL = 25

@@ -23,7 +23,7 @@ def rolloutlog_exe() -> list[str]:
     script = Path(sys.executable).parent / "rolloutlog"
     if script.is_file():
         return [str(script)]
-    return [sys.executable, "-c", "from controller.cli import main; main()"]
+    return [sys.executable, "-c", "from rolloutlog.cli import main; main()"]
 
 
 def run_cmd(

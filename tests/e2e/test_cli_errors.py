@@ -12,12 +12,12 @@ import yaml
 from click.testing import CliRunner
 from pydantic import ValidationError
 
-from controller import grpo_loop
-from controller.cli import main
-from controller.config import RolloutConfig
-from controller.run_config import load_run_config
-from controller.runtime import RunStoppedError
-from eventstore import EventStore
+from rolloutlog.cli import main
+from rolloutlog.controller.config import RolloutConfig
+from rolloutlog.controller.rollout_runtime import RunStoppedError
+from rolloutlog.eventstore import EventStore
+from rolloutlog.grpo import loop as grpo_loop
+from rolloutlog.grpo.run_config import load_run_config
 
 from .conftest import REPO
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from controller.cli import main
+from rolloutlog.cli import main
 
 from .conftest import rolloutlog
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from controller.audit import build_ledger, cross_check
-from controller.replay_tool import check_history
-from controller.rollout import iter_history, replay
-from eventstore import EventStore
+from rolloutlog.controller.prompt_ledger import build_ledger, cross_check
+from rolloutlog.controller.replay_tool import check_history
+from rolloutlog.controller.rollout_controller import iter_history, replay
+from rolloutlog.eventstore import EventStore
 
 from .conftest import REPO, json_lines, run_cmd
 

@@ -10,14 +10,14 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from controller import grpo_loop
-from controller.audit import build_ledger, cross_check
-from controller.backends.base import BackendUnavailableError
-from controller.backends.testing import DeterministicBackend
-from controller.cli import main
-from controller.replay_tool import check_history
-from controller.rollout import replay
-from eventstore import EventStore
+from rolloutlog.cli import main
+from rolloutlog.controller.backends.base import BackendUnavailableError
+from rolloutlog.controller.backends.deterministic_backend import DeterministicBackend
+from rolloutlog.controller.prompt_ledger import build_ledger, cross_check
+from rolloutlog.controller.replay_tool import check_history
+from rolloutlog.controller.rollout_controller import replay
+from rolloutlog.eventstore import EventStore
+from rolloutlog.grpo import loop as grpo_loop
 
 from .conftest import REPO, json_lines, rolloutlog
 
@@ -35,7 +35,7 @@ def _config(tmp_path: Path, name: str = "sqlite-torch.yaml", **over: Any) -> Pat
 
 
 def test_shipped_configs_are_valid() -> None:
-    from controller.run_config import load_run_config
+    from rolloutlog.grpo.run_config import load_run_config
 
     names = {p.name for p in (REPO / "configs").glob("*.yaml")}
     assert {"sqlite-torch.yaml", "sqlite-vllm.yaml", "postgres.yaml"} <= names

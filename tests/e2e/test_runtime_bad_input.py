@@ -14,15 +14,15 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
-from controller.audit import build_ledger, cross_check
-from controller.backends.base import BackendUnavailableError, GroupRequest, SiblingSpec
-from controller.backends.testing import DeterministicBackend
-from controller.config import RolloutConfig, StoreConfig
-from controller.domain.errors import StepOutOfOrderError
-from controller.replay_tool import check_history
-from controller.rollout import RolloutController, iter_history, replay
-from controller.runtime import GenerationConfig, RolloutRuntime, RunStoppedError
-from eventstore import EventStore
+from rolloutlog.controller.backends.base import BackendUnavailableError, GroupRequest, SiblingSpec
+from rolloutlog.controller.backends.deterministic_backend import DeterministicBackend
+from rolloutlog.controller.config import RolloutConfig, StoreConfig
+from rolloutlog.controller.domain.errors import StepOutOfOrderError
+from rolloutlog.controller.prompt_ledger import build_ledger, cross_check
+from rolloutlog.controller.replay_tool import check_history
+from rolloutlog.controller.rollout_controller import RolloutController, iter_history, replay
+from rolloutlog.controller.rollout_runtime import GenerationConfig, RolloutRuntime, RunStoppedError
+from rolloutlog.eventstore import EventStore
 
 RUN = "bad-input"
 FINGERPRINT = "e2e-bad-input-v1"

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import asyncio
 
-from controller.backends.testing import DeterministicBackend
-from controller.config import RolloutConfig, StoreConfig
-from controller.rollout import RolloutController, iter_history
-from controller.runtime import GenerationConfig, RolloutRuntime
-from eventstore import EventStore
+from rolloutlog.controller.backends.deterministic_backend import DeterministicBackend
+from rolloutlog.controller.config import RolloutConfig, StoreConfig
+from rolloutlog.controller.rollout_controller import RolloutController, iter_history
+from rolloutlog.controller.rollout_runtime import GenerationConfig, RolloutRuntime
+from rolloutlog.eventstore import EventStore
 
 from .test_runtime_bad_input import WEIGHTS, Prompts
 

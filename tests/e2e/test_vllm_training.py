@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
-from controller.audit import build_ledger, cross_check
-from controller.grpo_loop import latest_checkpoint, run_training, vllm_cpu_env
-from controller.replay_tool import check_history
-from controller.rollout import iter_history, replay
-from controller.run_config import RunConfig
-from eventstore import EventStore
+from rolloutlog.controller.prompt_ledger import build_ledger, cross_check
+from rolloutlog.controller.replay_tool import check_history
+from rolloutlog.controller.rollout_controller import iter_history, replay
+from rolloutlog.eventstore import EventStore
+from rolloutlog.grpo.loop import latest_checkpoint, run_training, vllm_cpu_env
+from rolloutlog.grpo.run_config import RunConfig
 
 from .conftest import require_vllm
 

@@ -11,12 +11,12 @@ from typing import Literal
 
 import torch
 
-from controller.backends.testing import DeterministicBackend
-from controller.config import RolloutConfig, StoreConfig
-from controller.metrics import LiveMetrics
-from controller.rollout import RecoveryReport, RolloutController
-from controller.runtime import GenerationConfig, RolloutRuntime
-from eventstore import EventStore
+from rolloutlog.controller.backends.deterministic_backend import DeterministicBackend
+from rolloutlog.controller.config import RolloutConfig, StoreConfig
+from rolloutlog.controller.metrics import LiveMetrics
+from rolloutlog.controller.rollout_controller import RecoveryReport, RolloutController
+from rolloutlog.controller.rollout_runtime import GenerationConfig, RolloutRuntime
+from rolloutlog.eventstore import EventStore
 
 RUN_ID = "metrics-run"
 

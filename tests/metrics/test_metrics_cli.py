@@ -15,10 +15,10 @@ from click.testing import CliRunner, Result
 from metrics_helpers import RUN_ID, Scenario
 from test_metrics_exporter import expected, scrape
 
-from controller.cli import main
-from controller.domain.events import SiblingCompleted
-from controller.metrics import project_history
-from eventstore import EventStore
+from rolloutlog.cli import main
+from rolloutlog.controller.domain.events import SiblingCompleted
+from rolloutlog.controller.metrics import project_history
+from rolloutlog.eventstore import EventStore
 
 
 def cli(*args: str) -> Result:
@@ -141,7 +141,7 @@ def test_serve_metrics_serves_the_log(scenario: Scenario) -> None:
         [
             sys.executable,
             "-c",
-            "from controller.cli import main; main()",
+            "from rolloutlog.cli import main; main()",
             "serve-metrics",
             scenario.url,
             "--port",

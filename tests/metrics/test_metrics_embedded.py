@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 from test_metrics_exporter import _live_only, expected, scrape
 
-from controller.grpo_loop import run_training
-from controller.metrics import project_history
-from controller.run_config import RunConfig
-from eventstore import EventStore
+from rolloutlog.controller.metrics import project_history
+from rolloutlog.eventstore import EventStore
+from rolloutlog.grpo.loop import run_training
+from rolloutlog.grpo.run_config import RunConfig
 
 RUN = "embedded"
 
@@ -101,7 +101,7 @@ def test_a_telemetry_failure_does_not_stop_training(
         sock.listen()
         port = sock.getsockname()[1]
         messages: list[dict[str, Any]] = []
-        with caplog.at_level(logging.ERROR, logger="controller.metrics.live"):
+        with caplog.at_level(logging.ERROR, logger="rolloutlog.controller.metrics.live"):
             result = asyncio.run(
                 run_training(
                     _cfg(tmp_path, steps=1, port=port),

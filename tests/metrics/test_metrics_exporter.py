@@ -12,8 +12,8 @@ import pytest
 from metrics_helpers import RUN_ID, Scenario, run_scenario
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.domain.events import GroupCommitted
-from controller.metrics import (
+from rolloutlog.controller.domain.events import GroupCommitted
+from rolloutlog.controller.metrics import (
     METRICS,
     Family,
     Histogram,
@@ -21,8 +21,8 @@ from controller.metrics import (
     project_history,
     start_exporter,
 )
-from controller.metrics import projection as projection_module
-from eventstore import EventStore
+from rolloutlog.controller.metrics import projection as projection_module
+from rolloutlog.eventstore import EventStore
 
 Key = tuple[str, tuple[tuple[str, str], ...]]
 

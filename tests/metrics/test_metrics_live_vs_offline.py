@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from metrics_helpers import ROLLOUT, RUN_ID, Scenario, run_scenario
 
-from controller.domain.events import SiblingCompleted
-from controller.metrics import MetricsProjection, fold_rows, project_history
-from controller.rollout import iter_history
-from eventstore import EventStore
+from rolloutlog.controller.domain.events import SiblingCompleted
+from rolloutlog.controller.metrics import MetricsProjection, fold_rows, project_history
+from rolloutlog.controller.rollout_controller import iter_history
+from rolloutlog.eventstore import EventStore
 
 
 def _offline(url: str) -> MetricsProjection:

@@ -6,8 +6,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from controller.config import RolloutConfig
-from controller.domain.events import (
+from rolloutlog.controller.config import RolloutConfig
+from rolloutlog.controller.domain.events import (
     BatchSelected,
     CheckpointMarked,
     GroupAdmitted,
@@ -30,7 +30,7 @@ from controller.domain.events import (
     StepTrained,
     WeightsPublished,
 )
-from controller.metrics import METRICS, EventMeta, Histogram, MetricsProjection
+from rolloutlog.controller.metrics import METRICS, EventMeta, Histogram, MetricsProjection
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
 

@@ -16,10 +16,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from reliability_harness import WEIGHTS, Prompts, backend, rollout_config
 
-from controller.config import StoreConfig
-from controller.rollout import RolloutController
-from controller.runtime import GenerationConfig, RolloutRuntime
-from eventstore import EpochFencedError, EventStore
+from rolloutlog.controller.config import StoreConfig
+from rolloutlog.controller.rollout_controller import RolloutController
+from rolloutlog.controller.rollout_runtime import GenerationConfig, RolloutRuntime
+from rolloutlog.eventstore import EpochFencedError, EventStore
 
 
 class BigPrompts(Prompts):

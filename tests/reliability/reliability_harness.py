@@ -9,14 +9,14 @@ from typing import Any
 
 import torch
 
-from controller.audit import build_ledger, cross_check
-from controller.backends.base import BackendError
-from controller.backends.testing import DeterministicBackend
-from controller.config import RolloutConfig, StoreConfig
-from controller.domain.invariants import find_violations
-from controller.rollout import RolloutController, replay
-from controller.runtime import GenerationConfig, RolloutRuntime
-from eventstore import MemoryEventStore, NewEvent
+from rolloutlog.controller.backends.base import BackendError
+from rolloutlog.controller.backends.deterministic_backend import DeterministicBackend
+from rolloutlog.controller.config import RolloutConfig, StoreConfig
+from rolloutlog.controller.domain.invariants import find_violations
+from rolloutlog.controller.prompt_ledger import build_ledger, cross_check
+from rolloutlog.controller.rollout_controller import RolloutController, replay
+from rolloutlog.controller.rollout_runtime import GenerationConfig, RolloutRuntime
+from rolloutlog.eventstore import MemoryEventStore, NewEvent
 
 DATASET = 120  # for the crash-at-every-offset run
 FINGERPRINT = "reliability-v1"

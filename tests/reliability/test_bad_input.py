@@ -23,13 +23,12 @@ from click.testing import CliRunner
 from pydantic import BaseModel
 from reliability_harness import FINGERPRINT, drive, exactly_once, rollout_config, run
 
-from controller.cli import main
-from controller.config import ConfigError, RolloutConfig, StoreConfig
-from controller.domain.errors import RestoreError
-from controller.replay_tool import check_history
-from controller.rollout import RolloutController, replay
-from controller.run_config import RunConfig, load_run_config
-from eventstore import (
+from rolloutlog.cli import main
+from rolloutlog.controller.config import ConfigError, RolloutConfig, StoreConfig
+from rolloutlog.controller.domain.errors import RestoreError
+from rolloutlog.controller.replay_tool import check_history
+from rolloutlog.controller.rollout_controller import RolloutController, replay
+from rolloutlog.eventstore import (
     CorruptEventError,
     EventStore,
     NewerSchemaVersionError,
@@ -38,6 +37,7 @@ from eventstore import (
     StoreUnavailableError,
     UnknownEventTypeError,
 )
+from rolloutlog.grpo.run_config import RunConfig, load_run_config
 
 STEPS = 4
 
@@ -226,7 +226,7 @@ def test_database_at_another_alembic_head(logged: str, revision: str) -> None:
 def _revision_named(prefix: str) -> str:
     from alembic.script import ScriptDirectory
 
-    from eventstore.migrate import alembic_config
+    from rolloutlog.eventstore.migrate import alembic_config
 
     revs = [s.revision for s in ScriptDirectory.from_config(alembic_config()).walk_revisions()]
     return next(r for r in revs if r.startswith(prefix))

@@ -22,10 +22,10 @@ from reliability_harness import (
     run,
 )
 
-from controller.config import StoreConfig
-from controller.domain.errors import RestoreError
-from controller.rollout import RolloutController
-from eventstore import EventStore, MemoryEventStore, RunExistsError, StoreError
+from rolloutlog.controller.config import StoreConfig
+from rolloutlog.controller.domain.errors import RestoreError
+from rolloutlog.controller.rollout_controller import RolloutController
+from rolloutlog.eventstore import EventStore, MemoryEventStore, RunExistsError, StoreError
 
 
 class RecordingStore:

@@ -9,8 +9,8 @@ import os
 import pytest
 from reliability_harness import copy_prefix, drive, exactly_once, newest_checkpoint, run, start
 
-from controller.rollout import RolloutController
-from eventstore import MemoryEventStore
+from rolloutlog.controller.rollout_controller import RolloutController
+from rolloutlog.eventstore import MemoryEventStore
 
 STEPS = 10
 

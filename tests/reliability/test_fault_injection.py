@@ -26,10 +26,10 @@ from reliability_harness import (
     start,
 )
 
-from controller.config import StoreConfig
-from controller.rollout import RolloutController, iter_history
-from controller.runtime import GenerationConfig, RolloutRuntime
-from eventstore import MemoryEventStore, StoreError
+from rolloutlog.controller.config import StoreConfig
+from rolloutlog.controller.rollout_controller import RolloutController, iter_history
+from rolloutlog.controller.rollout_runtime import GenerationConfig, RolloutRuntime
+from rolloutlog.eventstore import MemoryEventStore, StoreError
 
 STEPS = 8
 RUN = "r"

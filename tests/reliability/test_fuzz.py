@@ -23,10 +23,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controller.config import ConfigError
-from controller.domain.events import CODEC
-from controller.run_config import RunConfig, load_run_config
-from eventstore import (
+from rolloutlog.controller.config import ConfigError
+from rolloutlog.controller.domain.events import CODEC
+from rolloutlog.eventstore import (
     CorruptPayloadError,
     EventCodec,
     EventModel,
@@ -35,6 +34,7 @@ from eventstore import (
     decode_arrays,
     encode_arrays,
 )
+from rolloutlog.grpo.run_config import RunConfig, load_run_config
 
 FUZZ = settings(
     max_examples=300,

@@ -15,10 +15,10 @@ import sqlalchemy as sa
 from click.testing import CliRunner, Result
 from reliability_harness import drive, run, start
 
-from controller.cli import main
-from controller.rollout import RolloutController, replay
-from eventstore import CorruptLogError, EventStore, MemoryEventStore
-from eventstore.compaction import compact
+from rolloutlog.cli import main
+from rolloutlog.controller.rollout_controller import RolloutController, replay
+from rolloutlog.eventstore import CorruptLogError, EventStore, MemoryEventStore
+from rolloutlog.eventstore.compaction import compact
 
 _COLS = (
     "run_id, seq, epoch, type, schema_version, recorded_at, train_step, weight_version, "

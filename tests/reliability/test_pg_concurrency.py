@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 from reliability_harness import Worker, exactly_once
 
-from controller.metrics.live import LogTailer
-from controller.metrics.projection import project_history
-from controller.replay_tool import check_history
-from controller.sql_audit import SqlAudit
-from eventstore import EventStore
+from rolloutlog.controller.metrics.live import LogTailer
+from rolloutlog.controller.metrics.projection import project_history
+from rolloutlog.controller.replay_tool import check_history
+from rolloutlog.controller.sql_audit import SqlAudit
+from rolloutlog.eventstore import EventStore
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from controller.domain.invariants import check_invariants
-from controller.replay_tool import check_history
-from controller.rollout import replay
-from eventstore import EventStore
+from rolloutlog.controller.domain.invariants import check_invariants
+from rolloutlog.controller.replay_tool import check_history
+from rolloutlog.controller.rollout_controller import replay
+from rolloutlog.eventstore import EventStore
 
 WORKER = Path(__file__).with_name("kill_worker.py")
 KILLS = int(os.environ.get("ROLLOUTLOG_KILLS", "100"))

@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 from reliability_harness import Worker, drive, exactly_once, run, start
 
-from controller.config import StoreConfig
-from controller.replay_tool import check_history
-from controller.rollout import RolloutController
-from eventstore import EpochFencedError, EventStore
+from rolloutlog.controller.config import StoreConfig
+from rolloutlog.controller.replay_tool import check_history
+from rolloutlog.controller.rollout_controller import RolloutController
+from rolloutlog.eventstore import EpochFencedError, EventStore
 
 OPENER = {"restore": "RunRestored", "open": "RunResumed"}
 

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from controller import replay_tool as rt
-from controller.cli import main
-from controller.config import RolloutConfig, StoreConfig
-from controller.domain import CODEC, AdmitStep
-from controller.domain.errors import CursorBehindError, RestoreError
-from controller.domain.events import CheckpointMarked
-from controller.rollout import RolloutController
-from eventstore import EventStore
+from rolloutlog.cli import main
+from rolloutlog.controller import replay_tool as rt
+from rolloutlog.controller.config import RolloutConfig, StoreConfig
+from rolloutlog.controller.domain import CODEC, AdmitStep
+from rolloutlog.controller.domain.errors import CursorBehindError, RestoreError
+from rolloutlog.controller.domain.events import CheckpointMarked
+from rolloutlog.controller.rollout_controller import RolloutController
+from rolloutlog.eventstore import EventStore
 
 CFG = RolloutConfig(group_size=2, groups_per_step=2, lookahead=2, spare_pool_size=1)
 

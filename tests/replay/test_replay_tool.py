@@ -11,14 +11,14 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from controller import replay_tool as rt
-from controller.backends.testing import DeterministicBackend
-from controller.cli import main
-from controller.config import RolloutConfig, StoreConfig
-from controller.domain.events import CODEC, GroupSelected
-from controller.rollout import RolloutController, replay
-from controller.runtime import GenerationConfig, RolloutRuntime
-from eventstore import EventStore
+from rolloutlog.cli import main
+from rolloutlog.controller import replay_tool as rt
+from rolloutlog.controller.backends.deterministic_backend import DeterministicBackend
+from rolloutlog.controller.config import RolloutConfig, StoreConfig
+from rolloutlog.controller.domain.events import CODEC, GroupSelected
+from rolloutlog.controller.rollout_controller import RolloutController, replay
+from rolloutlog.controller.rollout_runtime import GenerationConfig, RolloutRuntime
+from rolloutlog.eventstore import EventStore
 
 
 class _Prompts:

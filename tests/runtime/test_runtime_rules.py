@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 import torch
 
-from controller.backends.testing import DeterministicBackend
-from controller.config import RolloutConfig, StoreConfig
-from controller.domain.invariants import check_invariants
-from controller.rollout import RolloutController, replay
-from controller.runtime import GenerationConfig, RolloutRuntime, RunStoppedError
-from eventstore import EventStore, StoreError
+from rolloutlog.controller.backends.deterministic_backend import DeterministicBackend
+from rolloutlog.controller.config import RolloutConfig, StoreConfig
+from rolloutlog.controller.domain.invariants import check_invariants
+from rolloutlog.controller.rollout_controller import RolloutController, replay
+from rolloutlog.controller.rollout_runtime import GenerationConfig, RolloutRuntime, RunStoppedError
+from rolloutlog.eventstore import EventStore, StoreError
 
 WEIGHTS = [("w", torch.zeros(1))]
 

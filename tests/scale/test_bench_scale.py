@@ -7,7 +7,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from controller.cli import main as cli_main
+from rolloutlog.cli import main as cli_main
 
 LOOKUPS = (
     "read_where_prompt_ms",

@@ -4,7 +4,7 @@ A run is driven by RolloutController + RolloutRuntime + DeterministicBackend (th
 reliability harness: failures, drops, borrows, evictions, a checkpoint every step and a
 snapshot every 25 events), compacted before a middle checkpoint with an archive, then
 restored at a later checkpoint and finished. The exactly-once ledger is folded from the
-archive plus what remains (the ledger of controller/audit.py starts at offset 1).
+archive plus what remains (the ledger of controller/prompt_ledger.py starts at offset 1).
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from controller.audit import PromptLedger, cross_check
-from controller.cli import main as cli_main
-from controller.cli.compact import rollout_snapshot_refs, verify_rollout_snapshot
-from controller.domain import CODEC
-from controller.domain.invariants import find_violations
-from controller.rollout import RolloutController, decode_snapshot, replay
-from eventstore import EventStore, StoredEvent
-from eventstore.compaction import (
+from rolloutlog.cli import main as cli_main
+from rolloutlog.cli.compact import rollout_snapshot_refs, verify_rollout_snapshot
+from rolloutlog.controller.domain import CODEC
+from rolloutlog.controller.domain.invariants import find_violations
+from rolloutlog.controller.prompt_ledger import PromptLedger, cross_check
+from rolloutlog.controller.rollout_controller import RolloutController, decode_snapshot, replay
+from rolloutlog.eventstore import EventStore, StoredEvent
+from rolloutlog.eventstore.compaction import (
     CompactedHistoryError,
     CompactionError,
     compact,

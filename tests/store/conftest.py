@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from eventstore import EventStore
+from rolloutlog.eventstore import EventStore
 
 _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:

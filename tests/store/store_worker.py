@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from eventstore import AppendConflictError, EventStore, NewEvent
+from rolloutlog.eventstore import AppendConflictError, EventStore, NewEvent
 
 
 def crash(url: str, run_id: str, batch: int, pad: int) -> None:

@@ -6,7 +6,7 @@ import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from eventstore import NewEvent
+from rolloutlog.eventstore import NewEvent
 
 #: The helper script run as a child process by the crash and multi-process tests.
 WORKER = Path(__file__).with_name("store_worker.py")

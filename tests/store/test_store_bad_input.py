@@ -14,7 +14,7 @@ import pytest
 import sqlalchemy as sa
 from storetest_helpers import make_batch, worker_cmd
 
-from eventstore import (
+from rolloutlog.eventstore import (
     CorruptLogError,
     EventStore,
     NewEvent,
@@ -29,7 +29,7 @@ from eventstore import (
     migrate,
     normalise_url,
 )
-from eventstore.migrate import migrations_dir
+from rolloutlog.eventstore.migrate import migrations_dir
 
 # ---------------------------------------------------------------- URLs
 

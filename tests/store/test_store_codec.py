@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from eventstore import (
+from rolloutlog.eventstore import (
     NO_AUDIT_KEYS,
     AuditKeys,
     CorruptEventError,

@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 import pytest
 from storetest_helpers import REPO_ROOT, worker_cmd
 
-from eventstore import AppendConflictError, NewEvent
+from rolloutlog.eventstore import AppendConflictError, NewEvent
 
 
 def _ev(seq: int, writer: int = 0) -> NewEvent:

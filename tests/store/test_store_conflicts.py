@@ -7,7 +7,7 @@ import threading
 import pytest
 from storetest_helpers import make_batch
 
-from eventstore import (
+from rolloutlog.eventstore import (
     AppendConflictError,
     EpochFencedError,
     EventStore,

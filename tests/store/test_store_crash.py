@@ -20,7 +20,7 @@ import pytest
 import sqlalchemy as sa
 from storetest_helpers import REPO_ROOT, worker_cmd
 
-from eventstore import EventStore
+from rolloutlog.eventstore import EventStore
 
 BATCH = 300
 PAD = 400  # bytes of padding per event: ~120 KB per transaction

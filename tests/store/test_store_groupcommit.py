@@ -9,7 +9,7 @@ import time
 import pytest
 from storetest_helpers import make_batch, make_event
 
-from eventstore import (
+from rolloutlog.eventstore import (
     AppendConflictError,
     EpochFencedError,
     EventStore,

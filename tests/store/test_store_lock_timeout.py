@@ -14,9 +14,9 @@ import pytest
 import sqlalchemy as sa
 from storetest_helpers import make_batch
 
-from controller.config import RolloutConfig, StoreConfig
-from controller.rollout import RolloutController
-from eventstore import EventStore, LockTimeoutError
+from rolloutlog.controller.config import RolloutConfig, StoreConfig
+from rolloutlog.controller.rollout_controller import RolloutController
+from rolloutlog.eventstore import EventStore, LockTimeoutError
 
 pytestmark = pytest.mark.postgres
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from storetest_helpers import make_batch
 
-from eventstore import (
+from rolloutlog.eventstore import (
     AppendConflictError,
     CorruptPayloadError,
     EpochFencedError,

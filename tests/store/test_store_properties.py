@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta, timezone
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from eventstore import (
+from rolloutlog.eventstore import (
     AppendConflictError,
     EpochFencedError,
     EventStore,

@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta, timezone
 import pytest
 from storetest_helpers import T0, make_batch, make_event
 
-from eventstore import (
+from rolloutlog.eventstore import (
     EventStore,
     NewEvent,
     RunExistsError,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from eventstore import EventStore, Snapshot
+from rolloutlog.eventstore import EventStore, Snapshot
 
 
 def test_no_snapshot_is_none(store: EventStore) -> None:

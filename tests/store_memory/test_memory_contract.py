@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from eventstore import (
+from rolloutlog.eventstore import (
     AppendConflictError,
     EpochFencedError,
     EventStore,

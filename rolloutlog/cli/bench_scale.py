@@ -1,6 +1,6 @@
 """``rolloutlog bench scale``: append rate, restore time and audit lookups, 10M vs 100k.
 
-Registered into the ``bench`` group by :mod:`controller.cli.bench`; the benchmark module
+Registered into the ``bench`` group by :mod:`rolloutlog.cli.bench`; the benchmark module
 is imported when the command runs, so ``--help`` stays fast.
 """
 
@@ -58,7 +58,7 @@ def scale(
     the checkpoint at the end of each with snapshots on (target: ratio <= 1.5), and the
     median latency of random prompt-history and step-batch lookups (target: < 50 ms).
     """
-    from controller.benchmarks import scale_bench
+    from rolloutlog.bench import scale_bench
 
     def progress(msg: str) -> None:
         if not as_json:

@@ -1,7 +1,7 @@
 """``rolloutlog metrics`` (offline projections of a stored run) and ``rolloutlog
 serve-metrics`` (a Prometheus exporter that tails the log).
 
-Both recompute the same fold the live exporter runs (:mod:`controller.metrics`), from
+Both recompute the same fold the live exporter runs (:mod:`rolloutlog.controller.metrics`), from
 the log alone, so they work on any stored run, from any machine that reaches the
 database, while the run is going or long after. Append latency and checkpoint/restore
 durations are not in the log: only the exporter embedded in a training process
@@ -20,7 +20,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from eventstore import EventStore, StoreError, normalise_url
+from rolloutlog.eventstore import EventStore, StoreError, normalise_url
 
 from .common import open_store
 
@@ -93,7 +93,7 @@ def metrics(
     wall-clock UTC time) and of restores. Only the run's history counts: work a restore
     abandoned is left out. Append latency and checkpoint/restore durations are live-only.
     """
-    from ..metrics import METRICS, project_history
+    from rolloutlog.controller.metrics import METRICS, project_history
 
     if from_seq is not None and to_seq is not None and from_seq > to_seq:
         raise click.UsageError(f"--from {from_seq} is after --to {to_seq}")
@@ -266,7 +266,7 @@ def serve_metrics(db_url: str, port: int, host: str, run_id: str | None, interva
     changes the run's history, the metrics roll back to the restored checkpoint first,
     so they always equal `rolloutlog metrics` on the same log. Runs until interrupted.
     """
-    from ..metrics import LogTailer, start_exporter
+    from rolloutlog.controller.metrics import LogTailer, start_exporter
 
     store = open_store(db_url)
     try:

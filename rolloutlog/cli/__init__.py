@@ -10,15 +10,15 @@ import click
 # (module, attribute) of each subcommand; imported lazily so `--help` stays fast and a
 # missing optional dependency only breaks the command that needs it.
 _COMMANDS: dict[str, tuple[str, str]] = {
-    "db": ("controller.cli.db", "db"),
-    "bench": ("controller.cli.bench", "bench"),
-    "demo": ("controller.cli.demo", "demo"),
-    "run": ("controller.cli.demo", "run"),
-    "metrics": ("controller.cli.metrics", "metrics"),
-    "serve-metrics": ("controller.cli.metrics", "serve_metrics"),
-    "audit": ("controller.cli.audit", "audit"),
-    "replay": ("controller.cli.replay", "replay"),
-    "compact": ("controller.cli.compact", "compact"),
+    "db": ("rolloutlog.cli.db", "db"),
+    "bench": ("rolloutlog.cli.bench", "bench"),
+    "demo": ("rolloutlog.cli.demo", "demo"),
+    "run": ("rolloutlog.cli.demo", "run"),
+    "metrics": ("rolloutlog.cli.metrics", "metrics"),
+    "serve-metrics": ("rolloutlog.cli.metrics", "serve_metrics"),
+    "audit": ("rolloutlog.cli.audit", "audit"),
+    "replay": ("rolloutlog.cli.replay", "replay"),
+    "compact": ("rolloutlog.cli.compact", "compact"),
 }
 
 

@@ -18,15 +18,15 @@ from typing import Any
 
 import torch
 
-from eventstore import EventStore
+from rolloutlog.controller.backends.base import GenerationBackend
+from rolloutlog.controller.domain.errors import RestoreError
+from rolloutlog.controller.rollout_controller import RecoveryReport, RolloutController
+from rolloutlog.controller.rollout_runtime import RolloutRuntime
+from rolloutlog.eventstore import EventStore
 
-from .backends.base import GenerationBackend
-from .domain.errors import RestoreError
-from .models.tiny import TinyModelSpec, build_tiny_model, load_policy
-from .rollout import RecoveryReport, RolloutController
 from .run_config import BackendKind, RunConfig
-from .runtime import RolloutRuntime
-from .task import ToyTask
+from .tiny_model import TinyModelSpec, build_tiny_model, load_policy
+from .toy_task import ToyTask
 from .trainer import GRPOTrainer, TrainSample
 
 Progress = Callable[[dict[str, Any]], None]
@@ -83,7 +83,7 @@ def make_backend(
 ) -> GenerationBackend:
     """The configured generation backend, serving ``model``'s weights at ``weight_version``."""
     if kind == "torch":
-        from .backends.torch_backend import TorchBackend
+        from rolloutlog.controller.backends.torch_backend import TorchBackend
 
         return TorchBackend(
             (model, tokenizer),  # type: ignore[arg-type]
@@ -92,7 +92,7 @@ def make_backend(
             weight_version=weight_version,
         )
     if kind == "vllm":
-        from .backends.vllm_backend import VLLMBackend
+        from rolloutlog.controller.backends.vllm_backend import VLLMBackend
 
         vllm_cpu_env()
         # The engine loads ``model_dir`` (the initial weights) as version 0, never
@@ -100,7 +100,7 @@ def make_backend(
         return VLLMBackend(  # type: ignore[return-value]
             model_dir, max_model_len=cfg.model.max_model_len, seed=cfg.seed
         )
-    from .backends.testing import DeterministicBackend
+    from rolloutlog.controller.backends.deterministic_backend import DeterministicBackend
 
     return DeterministicBackend(
         vocab_size=len(tokenizer),
@@ -254,7 +254,7 @@ async def run_training(
                 await runtime.sync_weights(trainer.named_weights(), version)
             await runtime.start()
             if cfg.telemetry.enabled:  # never stops the run: a failure to start is logged
-                from .metrics.live import start_embedded_telemetry
+                from rolloutlog.controller.metrics.live import start_embedded_telemetry
 
                 telemetry = start_embedded_telemetry(
                     controller, runtime, port=cfg.telemetry.port, recovery=recovery

@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from eventstore import PayloadPut, decode_arrays, encode_arrays
+from rolloutlog.eventstore import PayloadPut, decode_arrays, encode_arrays
 
 from .backends.base import (
     BackendAbortedError,
@@ -56,7 +56,7 @@ from .domain.errors import (
 )
 from .domain.events import RolloutEvent, SiblingAborted
 from .domain.state import Phase, SiblingStatus
-from .rollout import RolloutController
+from .rollout_controller import RolloutController
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,16 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .config import ConfigError, RolloutConfig, StoreConfig, TelemetryConfig, load_yaml
-from .runtime import GenerationConfig
-from .task import ToyTaskConfig
+from rolloutlog.controller.config import (
+    ConfigError,
+    RolloutConfig,
+    StoreConfig,
+    TelemetryConfig,
+    load_yaml,
+)
+from rolloutlog.controller.rollout_runtime import GenerationConfig
+
+from .toy_task import ToyTaskConfig
 from .trainer import GRPOConfig
 
 BackendKind = Literal["torch", "vllm", "deterministic"]

@@ -53,10 +53,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from eventstore import EventStore, NewEvent
-
-from ..config import RolloutConfig, StoreConfig
-from ..domain import (
+from rolloutlog.controller.config import RolloutConfig, StoreConfig
+from rolloutlog.controller.domain import (
     CODEC,
     AdmitStep,
     CompleteSibling,
@@ -71,11 +69,11 @@ from ..domain import (
     decide,
     evolve,
 )
-from ..domain.admission import admission_blocker
-from ..domain.commands import Command
-from ..domain.events import RolloutEvent
-from ..domain.state import Phase, RunState, SiblingStatus
-from ..rollout import (
+from rolloutlog.controller.domain.admission import admission_blocker
+from rolloutlog.controller.domain.commands import Command
+from rolloutlog.controller.domain.events import RolloutEvent
+from rolloutlog.controller.domain.state import Phase, RunState, SiblingStatus
+from rolloutlog.controller.rollout_controller import (
     SNAPSHOT_SCHEMA_VERSION,
     RolloutController,
     decode_snapshot,
@@ -83,6 +81,7 @@ from ..rollout import (
     replay,
     run_fingerprint,
 )
+from rolloutlog.eventstore import EventStore, NewEvent
 
 #: The issue's targets: (comparison, bound) per ratio.
 TARGETS: dict[str, tuple[str, float]] = {

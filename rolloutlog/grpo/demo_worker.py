@@ -1,7 +1,7 @@
 """The demo's worker process: runs the GRPO loop and prints progress as JSON lines.
 
 Started by ``rolloutlog demo`` (twice: a fresh run that the demo kills with SIGKILL, then
-a resume from the newest checkpoint). Usage: ``python -m controller.demo_worker
+a resume from the newest checkpoint). Usage: ``python -m rolloutlog.grpo.demo_worker
 CONFIG_JSON RUN_ID fresh|resume``.
 """
 
@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    from .grpo_loop import run_training
+    from .loop import run_training
 
     config_json, run_id, mode = argv
     cfg = RunConfig.model_validate_json(config_json)

@@ -3,8 +3,8 @@
 :class:`DeterministicBackend` derives every token id and logprob from a seeded hash
 of ``(seed, group_id, sibling, attempt, weight_version)``, so a test can predict its
 output, and it honours the same contract as the vLLM and torch backends: the same
-request validation (:func:`~controller.backends.base.validate_request`), results that
-pass :func:`~controller.backends.base.validate_results`, abort, weight updates that
+request validation (:func:`~rolloutlog.controller.backends.base.validate_request`), results that
+pass :func:`~rolloutlog.controller.backends.base.validate_results`, abort, weight updates that
 drain in-flight requests first, and strict weight names when given the checkpoint's
 shapes. On top it can inject latency, failures and malformed results (the last for
 tests of the runtime's own validation — the only way it ever breaks the contract).
@@ -20,8 +20,8 @@ from dataclasses import replace
 
 import torch
 
-from controller.backends._gate import DrainGate
-from controller.backends.base import (
+from rolloutlog.controller.backends._gate import DrainGate
+from rolloutlog.controller.backends.base import (
     BackendAbortedError,
     BackendError,
     BackendUnavailableError,

@@ -50,9 +50,9 @@ from typing import Any, ClassVar
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.schema import CreateIndex, CreateTable
 
-from eventstore import AuditKeys, EventCodec, EventModel, EventStore, GroupCommitter
-from eventstore.schema import events as events_table
-from eventstore.store import DEFAULT_SQLITE_SYNCHRONOUS
+from rolloutlog.eventstore import AuditKeys, EventCodec, EventModel, EventStore, GroupCommitter
+from rolloutlog.eventstore.schema import events as events_table
+from rolloutlog.eventstore.store import DEFAULT_SQLITE_SYNCHRONOUS
 
 #: The issue's targets for the ratios (rolloutlog ÷ baseline, events per second).
 TARGETS: dict[str, float] = {

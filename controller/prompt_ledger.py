@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from eventstore import EventStore
+from rolloutlog.eventstore import EventStore
 
 from .domain.events import (
     GroupAdmitted,
@@ -24,7 +24,7 @@ from .domain.events import (
     StepTrained,
 )
 from .domain.state import RunState
-from .rollout import iter_history
+from .rollout_controller import iter_history
 
 
 @dataclass

@@ -10,7 +10,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from eventstore import StoreError
+from rolloutlog.eventstore import StoreError
 
 from .common import open_store, pick_run
 
@@ -62,8 +62,8 @@ def replay(
 
     Exit code 1 when --check finds a violation or --verify-decisions a mismatch.
     """
-    from .. import replay_tool as rt
-    from ..domain.errors import DomainError
+    from rolloutlog.controller import replay_tool as rt
+    from rolloutlog.controller.domain.errors import DomainError
 
     store = open_store(db_url)
     console = Console()

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from eventstore import EventStore
+from rolloutlog.controller.domain.invariants import find_violations
+from rolloutlog.controller.prompt_ledger import build_ledger, cross_check
+from rolloutlog.controller.rollout_controller import replay
+from rolloutlog.eventstore import EventStore
 
-from .audit import build_ledger, cross_check
-from .domain.invariants import find_violations
-from .rollout import replay
 from .run_config import RunConfig
 
 _ERROR_LINE = re.compile(r"\b[A-Z]\w*(?:Error|Exception): \S.*$")
@@ -71,7 +71,14 @@ def _run_worker(
     # pipe nobody reads until the end and block forever.
     with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as errfile:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "controller.demo_worker", cfg.model_dump_json(), run_id, mode],
+            [
+                sys.executable,
+                "-m",
+                "rolloutlog.grpo.demo_worker",
+                cfg.model_dump_json(),
+                run_id,
+                mode,
+            ],
             stdout=subprocess.PIPE,
             stderr=errfile,
             text=True,

@@ -18,9 +18,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from eventstore import StoreError
-
-from ..sql_audit import DEFAULT_LIMIT, DEFAULT_TIMEOUT_S, QueryResult, SqlAudit
+from rolloutlog.controller.sql_audit import DEFAULT_LIMIT, DEFAULT_TIMEOUT_S, QueryResult, SqlAudit
+from rolloutlog.eventstore import StoreError
 
 _INT = re.compile(r"^-?\d+$")
 

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ..config import ConfigError
+from rolloutlog.controller.config import ConfigError
 
 DEFAULT_DB = "sqlite:///runs/rolloutlog.db"
 
@@ -43,8 +43,8 @@ def demo(
     """A small GRPO run on a toy task with a tiny torch policy: checkpoints, a real
     SIGKILL of the worker, a resume from the last checkpoint offset, and a summary
     checked against the log (no prompt lost, none trained twice)."""
-    from ..demo import DemoError, run_demo
-    from ..run_config import RunConfig
+    from rolloutlog.grpo.demo import DemoError, run_demo
+    from rolloutlog.grpo.run_config import RunConfig
 
     work = Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -160,8 +160,8 @@ def run(config: Path, run_id: str | None, resume: bool, as_json: bool) -> None:
     import asyncio
     from datetime import UTC, datetime
 
-    from ..grpo_loop import run_training
-    from ..run_config import load_run_config
+    from rolloutlog.grpo.loop import run_training
+    from rolloutlog.grpo.run_config import load_run_config
 
     try:
         cfg = load_run_config(config)
@@ -186,10 +186,9 @@ def run(config: Path, run_id: str | None, resume: bool, as_json: bool) -> None:
     try:
         result = asyncio.run(run_training(cfg, run_id=rid, resume=resume, progress=emit))
     except Exception as exc:
-        from eventstore import StoreError
-
-        from ..backends.base import BackendError
-        from ..domain.errors import DomainError
+        from rolloutlog.controller.backends.base import BackendError
+        from rolloutlog.controller.domain.errors import DomainError
+        from rolloutlog.eventstore import StoreError
 
         # A log, domain or backend error (e.g. an unreachable backend) is the user's to
         # fix: one clear line, no traceback. The run is restorable from its log.

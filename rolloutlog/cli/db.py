@@ -24,12 +24,11 @@ from alembic.script import ScriptDirectory
 from alembic.util import CommandError
 from sqlalchemy.engine import Connection, Engine
 
-from eventstore import migrate
-from eventstore.errors import SchemaMismatchError, StoreError
-from eventstore.schema import metadata
-from eventstore.store import EventStore, normalise_url
-
-from ..sql_audit import DEFAULT_TIMEOUT_S, log_schema, role_problems
+from rolloutlog.controller.sql_audit import DEFAULT_TIMEOUT_S, log_schema, role_problems
+from rolloutlog.eventstore import migrate
+from rolloutlog.eventstore.errors import SchemaMismatchError, StoreError
+from rolloutlog.eventstore.schema import metadata
+from rolloutlog.eventstore.store import EventStore, normalise_url
 
 #: Exit status when the schema is not the one asked for (the database itself is fine).
 EXIT_SCHEMA = 1

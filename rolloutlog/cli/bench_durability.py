@@ -37,7 +37,7 @@ def durability(
     as_json: bool,
 ) -> None:
     """Durability overhead of a synthetic rollout: SQLite log vs in-memory store."""
-    from ..benchmarks.durability_bench import run_durability_bench
+    from rolloutlog.bench.durability_bench import run_durability_bench
 
     result = run_durability_bench(
         groups=groups,

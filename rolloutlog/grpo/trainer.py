@@ -27,7 +27,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from controller.backends.base import SiblingResult
+from rolloutlog.controller.backends.base import SiblingResult
 
 
 class GRPOConfig(BaseModel):

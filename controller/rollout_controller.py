@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Literal
 
-from eventstore import (
+from rolloutlog.eventstore import (
     EventStore,
     GroupCommitClosedError,
     GroupCommitter,
@@ -32,7 +32,7 @@ from eventstore import (
     StoredEvent,
     StoreError,
 )
-from eventstore.compaction import check_replayable
+from rolloutlog.eventstore.compaction import check_replayable
 
 from .config import RolloutConfig, StoreConfig, fingerprint
 from .domain import CODEC, decide, evolve, find_violations
@@ -272,7 +272,7 @@ class RolloutController:
 
         On PostgreSQL the takeover waits at most ``store_config.takeover_timeout_s`` for a
         writer that holds the run's row lock, then raises
-        :class:`eventstore.LockTimeoutError` naming it (the epoch is not raised).
+        :class:`rolloutlog.eventstore.LockTimeoutError` naming it (the epoch is not raised).
         """
         cfg = store_config or StoreConfig()
         info = store.get_run(run_id)

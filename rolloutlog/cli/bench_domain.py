@@ -1,6 +1,6 @@
 """``rolloutlog bench domain``: checkpoint, restore and memory of the rollout state machine.
 
-Registered into the ``bench`` group by :mod:`controller.cli.bench`. The benchmark
+Registered into the ``bench`` group by :mod:`rolloutlog.cli.bench`. The benchmark
 module is imported when the command runs, so ``--help`` stays fast.
 """
 
@@ -45,7 +45,7 @@ def print_report(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from ..benchmarks.domain_bench import size_label
+    from rolloutlog.bench.domain_bench import size_label
 
     console = Console()
     if not console.is_terminal:
@@ -280,7 +280,7 @@ def domain(
     The 10M-event log is generated first (several minutes on a small machine; progress
     goes to stderr).
     """
-    from ..benchmarks.domain_bench import (
+    from rolloutlog.bench.domain_bench import (
         FULL_SIZES,
         SMALL_SIZES,
         run_domain_benchmark,

@@ -7,16 +7,16 @@ from pathlib import Path
 
 import click
 
-from eventstore import Snapshot, StoreError
-from eventstore.compaction import CompactionPlan
-from eventstore.compaction import compact as compact_run
+from rolloutlog.eventstore import Snapshot, StoreError
+from rolloutlog.eventstore.compaction import CompactionPlan
+from rolloutlog.eventstore.compaction import compact as compact_run
 
 from .common import open_store, pick_run
 
 
 def rollout_snapshot_refs(data: bytes) -> set[str]:
     """Payload ids a rollout snapshot refers to (completions of the groups it holds)."""
-    from controller.rollout import decode_snapshot
+    from rolloutlog.controller.rollout_controller import decode_snapshot
 
     state = decode_snapshot(data)
     return {
@@ -29,8 +29,8 @@ def rollout_snapshot_refs(data: bytes) -> set[str]:
 
 def verify_rollout_snapshot(snap: Snapshot) -> None:
     """Refuse a base snapshot that does not decode (it will be the only way back)."""
-    from controller.domain.invariants import check_invariants
-    from controller.rollout import decode_snapshot
+    from rolloutlog.controller.domain.invariants import check_invariants
+    from rolloutlog.controller.rollout_controller import decode_snapshot
 
     state = decode_snapshot(snap.data)
     if state.last_seq != snap.seq:

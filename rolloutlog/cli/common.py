@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from eventstore import EventStore, StoreError
+from rolloutlog.eventstore import EventStore, StoreError
 
 
 def open_store(url: str, *, readonly: bool = True) -> EventStore:

@@ -18,12 +18,11 @@ from typing import Any
 
 import torch
 
-from eventstore import EventStore, MemoryEventStore
-
-from ..backends.testing import DeterministicBackend
-from ..config import RolloutConfig, StoreConfig
-from ..rollout import RolloutController
-from ..runtime import GenerationConfig, RolloutRuntime
+from rolloutlog.controller.backends.deterministic_backend import DeterministicBackend
+from rolloutlog.controller.config import RolloutConfig, StoreConfig
+from rolloutlog.controller.rollout_controller import RolloutController
+from rolloutlog.controller.rollout_runtime import GenerationConfig, RolloutRuntime
+from rolloutlog.eventstore import EventStore, MemoryEventStore
 
 
 class _Prompts:

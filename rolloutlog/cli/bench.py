@@ -77,7 +77,7 @@ def store(
     the ratios rolloutlog / baseline. With --scale, measures instead how the append rate
     holds up as the log grows (the 10M-event size takes minutes).
     """
-    from controller.benchmarks import store_bench
+    from rolloutlog.bench import store_bench
 
     def progress(msg: str) -> None:
         if not as_json:

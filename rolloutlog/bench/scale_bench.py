@@ -38,10 +38,10 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from eventstore import EventStore, NewEvent, migrate
+from rolloutlog.controller.rollout_controller import replay
+from rolloutlog.controller.sql_audit import Q_PROMPT_VIEW, Q_STEP_VIEW, SqlAudit
+from rolloutlog.eventstore import EventStore, NewEvent, migrate
 
-from ..rollout import replay
-from ..sql_audit import Q_PROMPT_VIEW, Q_STEP_VIEW, SqlAudit
 from . import domain_bench
 from .domain_bench import FULL_SIZES, GeneratedLog, generate_log, machine_info, size_label
 

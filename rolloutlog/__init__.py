@@ -1,0 +1,1 @@
+"""rolloutlog: an event-sourced rollout log for asynchronous RL post-training."""
