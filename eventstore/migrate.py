@@ -1,4 +1,5 @@
-"""Schema creation and verification through alembic (the migrations live in ``migrations/``).
+"""Schema creation and verification through alembic (the migrations live in ``migrations/``,
+installed as the package ``rolloutlog.migrations``).
 
 The store refuses a database whose alembic revision is not this code's head, and says
 which command fixes it.
@@ -6,6 +7,7 @@ which command fixes it.
 
 from __future__ import annotations
 
+import importlib.resources
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -22,10 +24,12 @@ _OWN_TABLES = {"runs", "events", "epochs", "payloads", "snapshots"}
 
 
 def migrations_dir() -> Path:
-    """Folder of the alembic environment shipped with rolloutlog."""
-    from rolloutlog import migrations
+    """Folder of the alembic environment shipped with rolloutlog.
 
-    return Path(migrations.__file__).resolve().parent
+    Found as the package resource ``rolloutlog.migrations`` (never a top-level
+    ``migrations`` module, which a user's project may have: Django, alembic).
+    """
+    return Path(str(importlib.resources.files("rolloutlog.migrations"))).resolve()
 
 
 def alembic_config(connection: Connection | None = None, url: str | None = None) -> Config:
