@@ -18,9 +18,8 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from rolloutlog.eventstore import PayloadPut, decode_arrays, encode_arrays
@@ -59,6 +58,9 @@ from .domain.state import Phase, SiblingStatus
 from .rollout_controller import RolloutController
 
 log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:  # torch is the [torch] extra; only annotations need it here
+    import torch
 
 
 class GenerationConfig(BaseModel):

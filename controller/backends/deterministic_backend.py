@@ -17,8 +17,11 @@ import hashlib
 import random
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is the [torch] extra; only annotations need it here
+    import torch
+
 
 from rolloutlog.controller.backends._gate import DrainGate
 from rolloutlog.controller.backends.base import (

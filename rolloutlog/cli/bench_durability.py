@@ -37,6 +37,9 @@ def durability(
     as_json: bool,
 ) -> None:
     """Durability overhead of a synthetic rollout: SQLite log vs in-memory store."""
+    from .common import require_extra
+
+    require_extra("torch", "rolloutlog bench durability")
     from rolloutlog.bench.durability_bench import run_durability_bench
 
     result = run_durability_bench(

@@ -1,6 +1,8 @@
-"""Helpers shared by the CLI commands: opening a log and choosing a run."""
+"""Helpers shared by the CLI commands: opening a log, choosing a run, checking extras."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import click
 
@@ -27,3 +29,24 @@ def pick_run(store: EventStore, run_id: str | None) -> str:
     if not runs:
         raise click.ClickException(f"{store.url.render_as_string()} holds no runs")
     return runs[-1].run_id
+
+
+#: The modules each optional extra brings (``pip install 'rolloutlog[EXTRA]'``).
+EXTRA_MODULES: dict[str, tuple[str, ...]] = {
+    "torch": ("torch", "transformers", "tokenizers", "safetensors"),
+    "vllm": ("vllm",),
+    "bench": ("eventsourcing",),
+}
+
+
+def require_extra(extra: str, what: str) -> None:
+    """Fail with one line naming the extra to install when its modules are missing.
+
+    The core install (``pip install rolloutlog``) has no torch; commands that train or
+    generate with a model call this before importing anything that needs it.
+    """
+    missing = [m for m in EXTRA_MODULES[extra] if importlib.util.find_spec(m) is None]
+    if missing:
+        raise click.ClickException(
+            f"{what} needs {', '.join(missing)} (not installed): pip install 'rolloutlog[{extra}]'"
+        )

@@ -14,6 +14,8 @@ from rich.table import Table
 
 from rolloutlog.controller.config import ConfigError
 
+from .common import require_extra
+
 DEFAULT_DB = "sqlite:///runs/rolloutlog.db"
 
 
@@ -43,6 +45,9 @@ def demo(
     """A small GRPO run on a toy task with a tiny torch policy: checkpoints, a real
     SIGKILL of the worker, a resume from the last checkpoint offset, and a summary
     checked against the log (no prompt lost, none trained twice)."""
+    require_extra("torch", "rolloutlog demo")
+    if backend == "vllm":
+        require_extra("vllm", "rolloutlog demo --backend vllm")
     from rolloutlog.grpo.demo import DemoError, run_demo
     from rolloutlog.grpo.run_config import RunConfig
 
@@ -160,6 +165,7 @@ def run(config: Path, run_id: str | None, resume: bool, as_json: bool) -> None:
     import asyncio
     from datetime import UTC, datetime
 
+    require_extra("torch", "rolloutlog run")
     from rolloutlog.grpo.loop import run_training
     from rolloutlog.grpo.run_config import load_run_config
 
@@ -167,6 +173,8 @@ def run(config: Path, run_id: str | None, resume: bool, as_json: bool) -> None:
         cfg = load_run_config(config)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
+    if cfg.backend == "vllm":
+        require_extra("vllm", "rolloutlog run with backend vllm")
     rid = run_id or cfg.run_id or f"run-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}"
     url = cfg.store.url
     if url.startswith("sqlite:///"):
