@@ -1,0 +1,150 @@
+"""Everything installed lives under ``rolloutlog`` (docs/architecture.md).
+
+A user project with its own ``migrations``, ``controller`` and ``eventstore`` packages
+(Django, alembic) on the path must neither shadow ours nor be imported by us; the
+public API is importable from ``rolloutlog`` itself, and the core never imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+# The top-level folders and the package each one is installed as (pyproject package-dir).
+FOLDERS = {
+    "rolloutlog": "rolloutlog",
+    "eventstore": "rolloutlog.eventstore",
+    "controller": "rolloutlog.controller",
+    "migrations": "rolloutlog.migrations",
+}
+HEAVY = ("torch", "transformers", "tokenizers", "safetensors", "vllm")
+
+
+def _run(
+    args: list[str], *, cwd: Path, env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """Run a child in its own process group; kill the whole group if it overruns."""
+    proc = subprocess.Popen(
+        args,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, err = proc.communicate()
+        pytest.fail(f"{args} ran past {timeout}s:\n{out}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+def _cli() -> list[str]:
+    script = Path(sys.executable).parent / "rolloutlog"
+    if script.is_file():
+        return [str(script)]
+    return [sys.executable, "-c", "from rolloutlog.cli import main; main()"]
+
+
+def test_every_package_folder_is_listed_in_pyproject() -> None:
+    """The explicit package list ships every folder that has an ``__init__.py``."""
+    listed = set(
+        tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = set()
+    for folder, package in FOLDERS.items():
+        for init in (REPO / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(REPO / folder)
+            found.add(".".join([package, *rel.parts]))
+    assert found - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
+    assert listed - found == set()
+
+
+def test_no_generic_top_level_imports() -> None:
+    """No ``import controller`` / ``from migrations import ...`` anywhere in the repository."""
+    bad = re.compile(r"^\s*(from|import)\s+(controller|eventstore|migrations)\b", re.M)
+    offenders = [
+        str(p.relative_to(REPO))
+        for top in ("rolloutlog", "eventstore", "controller", "migrations", "tests", "examples")
+        for p in (REPO / top).rglob("*.py")
+        if bad.search(p.read_text())
+    ]
+    assert offenders == []
+
+
+def test_public_api_is_light() -> None:
+    """``from rolloutlog import ...`` works, and the core imports no torch/transformers/vllm."""
+    code = (
+        "import sys, json\n"
+        "from rolloutlog import EventStore, RolloutController, RolloutRuntime, RolloutConfig\n"
+        "import rolloutlog.controller.metrics, rolloutlog.controller.replay_tool\n"
+        "import rolloutlog.controller.sql_audit, rolloutlog.controller.prompt_ledger\n"
+        "import rolloutlog.controller.backends\n"
+        "import rolloutlog.cli.db, rolloutlog.cli.audit, rolloutlog.cli.replay\n"
+        "import rolloutlog.cli.metrics, rolloutlog.cli.compact, rolloutlog.cli.demo\n"
+        "print(json.dumps([EventStore.__module__, RolloutController.__name__,\n"
+        "    RolloutRuntime.__name__, RolloutConfig.__name__,\n"
+        f"    sorted(m for m in {HEAVY!r} if m in sys.modules)]))\n"
+    )
+    proc = _run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    module, ctl, rt, cfg, heavy = json.loads(proc.stdout)
+    assert module.startswith("rolloutlog.eventstore")
+    assert (ctl, rt, cfg) == ("RolloutController", "RolloutRuntime", "RolloutConfig")
+    assert heavy == []
+
+
+def _user_project(root: Path) -> dict[str, str]:
+    """A project with its own migrations/, controller/, eventstore/ that must not be touched."""
+    for name in ("migrations", "controller", "eventstore"):
+        pkg = root / name
+        pkg.mkdir()
+        (pkg / "__init__.py").write_text(
+            f"raise ImportError('the user project\\'s {name} package was imported')\n"
+        )
+        (pkg / "env.py").write_text("raise ImportError('user env.py')\n")
+    return dict(os.environ, PYTHONPATH=str(root), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+
+
+def test_user_packages_named_like_ours_do_not_interfere(tmp_path: Path) -> None:
+    """EventStore.open and ``rolloutlog db upgrade`` from a project with look-alike packages."""
+    env = _user_project(tmp_path)
+    code = (
+        "from rolloutlog import EventStore\n"
+        "store = EventStore.open('sqlite:///api.db')\n"
+        "store.close()\n"
+        "print('opened')\n"
+    )
+    proc = _run([sys.executable, "-c", code], cwd=tmp_path, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "opened"
+    assert (tmp_path / "api.db").is_file()
+
+    proc = _run([*_cli(), "db", "upgrade", "sqlite:///cli.db"], cwd=tmp_path, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    proc = _run([*_cli(), "db", "check", "sqlite:///cli.db"], cwd=tmp_path, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.slow
+def test_demo_from_a_user_project_with_look_alike_packages(tmp_path: Path) -> None:
+    """The demo (worker subprocesses included) runs from such a project too."""
+    pytest.importorskip("torch")
+    env = _user_project(tmp_path)
+    args = [*_cli(), "demo", "--json", "--steps", "8", "--checkpoint-every", "3"]
+    proc = _run([*args, "--db", "sqlite:///runs/demo.db"], cwd=tmp_path, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["ok"] is True
+    assert summary["steps_trained"] == 8
