@@ -48,7 +48,7 @@ class RestoreError(DomainError):
 
 
 class InvariantViolation(DomainError):
-    """A SPEC §5 invariant does not hold. ``number`` is the invariant's number."""
+    """An invariant (docs/concepts.md) does not hold. ``number`` is the invariant's number."""
 
     number: int = 0
 

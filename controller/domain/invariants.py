@@ -1,4 +1,5 @@
-"""SPEC §5 invariants over a state. Each violation is a typed error naming what is wrong.
+"""The invariants over a state (docs/concepts.md, "Invariants"). Each violation is a
+typed error naming what is wrong.
 
 Invariants 7 (monotonic sequence/epoch/step/version) and 8 (no unknown references) are
 enforced event by event in ``evolve``; the checks here cover what a state can show.

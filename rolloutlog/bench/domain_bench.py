@@ -8,8 +8,8 @@ in the same invocation:
   divided by the same with 1k. Both states are built through the controller's public
   commands (``AdmitStep``, ``DispatchSiblings``, ``CompleteSibling``) on SQLite, with
   ``group_size=1`` and the ``ready_first`` sampler (which never evicts) so the buffer
-  can hold them all. Median of interleaved checkpoints. Target: at most 1.5 (SPEC §6:
-  a checkpoint is O(1) in the size of the state).
+  can hold them all. Median of interleaved checkpoints. Target: at most 1.5 (a
+  checkpoint is O(1) in the size of the state: docs/concepts.md).
 * ``snapshot_baseline_vs_checkpoint_100k``: what a snapshot-based system does at a
   checkpoint (serialise the whole buffer and write it durably: :func:`encode_snapshot`
   + :meth:`EventStore.save_snapshot`) for the same 100k state, divided by rolloutlog's
@@ -17,7 +17,7 @@ in the same invocation:
 * ``restore_10m_vs_100k``: :meth:`RolloutController.restore` of a checkpoint at the end
   of a 10M-event log, divided by the same for a 100k-event log, snapshots on (restore =
   newest snapshot + the tail after it; both logs have the same tail). Target: at most
-  1.5 (SPEC §9: restore time depends on the snapshot interval, not on log length).
+  1.5 (restore time depends on the snapshot interval, not on log length).
 
 Plus memory: the state's size (tracemalloc) for runs with the same number of live groups
 and 10× the history, and with 10× the live groups (bytes per live group).

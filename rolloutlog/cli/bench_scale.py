@@ -50,7 +50,7 @@ def scale(
     fresh: bool,
     as_json: bool,
 ) -> None:
-    """How the log's costs hold up as history grows (SPEC §9), --events vs 100k.
+    """How the log's costs hold up as history grows, --events vs 100k.
 
     Generates two logs of the same realistic run (domain bench generator; 10M events
     take several minutes, and are kept in --db-dir for the next run), then measures the

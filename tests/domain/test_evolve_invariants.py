@@ -1,5 +1,5 @@
 """Evolve-level rejections (events that cannot apply), and ``check_invariants`` catching
-hand-corrupted states: one test per SPEC §5 invariant 1-7."""
+hand-corrupted states: one test per invariant 1-7 of docs/concepts.md."""
 
 from __future__ import annotations
 

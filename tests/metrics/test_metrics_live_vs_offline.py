@@ -1,4 +1,4 @@
-"""The live metrics equal their offline recomputation over the same log (SPEC §2).
+"""The live metrics equal their offline recomputation over the same log (docs/metrics.md).
 
 A run with retried and exhausted failures, dropped and evicted prompts, borrows, a
 checkpoint, work after it, a crash and a restore is driven through RolloutController +

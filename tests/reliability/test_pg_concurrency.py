@@ -1,4 +1,4 @@
-"""PostgreSQL under concurrent use (SPEC §9: several runs, audit readers and metrics
+"""PostgreSQL under concurrent use (docs/operations.md: several runs, audit readers and metrics
 exporters on one database at once).
 
 One writer process appends a run while reader threads page through the log, audit

@@ -1,4 +1,4 @@
-"""Fencing and takeover with real processes (SPEC §6: epoch fencing).
+"""Fencing and takeover with real processes (docs/concepts.md: epoch fencing).
 
 Process A runs a long run; process B restores it from its newest checkpoint (or opens
 it where it stands) while A is running, or while A is frozen (SIGSTOP: a zombie
