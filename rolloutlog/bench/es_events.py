@@ -1,4 +1,7 @@
-"""The benchmark's events as the ``eventsourcing`` library models them (frozen dataclasses).
+"""The domain's ``SiblingDispatched`` and ``SiblingCompleted`` as the ``eventsourcing``
+library models them (frozen dataclasses), for the peer-library baseline of
+``rolloutlog bench store``: the same fields, plus the train step that rolloutlog keeps
+on the stored row.
 
 A module of its own so that ``eventsourcing`` (an optional dependency, the ``bench``
 extra) is imported only when the benchmark runs, and so the classes' topics resolve.
@@ -14,12 +17,9 @@ class EsSiblingDispatched(DomainEvent):
 
     train_step: int
     group_id: int
-    prompt_index: int
-    target_step: int
     sibling: int
     attempt: int
     weight_version: int
-    engine: str
 
 
 class EsSiblingCompleted(DomainEvent):
@@ -27,13 +27,12 @@ class EsSiblingCompleted(DomainEvent):
 
     train_step: int
     group_id: int
-    prompt_index: int
-    target_step: int
     sibling: int
     attempt: int
     weight_version: int
     prompt_tokens: int
     completion_tokens: int
     reward: float
-    finish_reason: str
     payload_id: str
+    finish_reason: str
+    salvaged_from: int | None

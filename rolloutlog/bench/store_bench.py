@@ -1,7 +1,7 @@
 """``rolloutlog bench store``: the event store against raw ``sqlite3`` and ``eventsourcing``.
 
-One run writes the SAME logical events (a rollout-shaped mix of sibling dispatches and
-completions, ~150-byte JSON payloads, audit ids) through each system into its own
+One run writes the SAME logical events (a rollout-shaped mix of the domain's
+``SiblingDispatched`` and ``SiblingCompleted``, audit ids) through each system into its own
 SQLite file in WAL mode with rolloutlog's ``synchronous`` level, in batches of the same
 size, then reads every event back and decodes it:
 
@@ -15,7 +15,8 @@ size, then reads every event back and decodes it:
   events serialised and deserialised by its ``Mapper`` + ``JSONTranscoder`` (the
   transcodings an ``Application`` registers), read back page by page with
   ``select_events``.
-* ``rolloutlog``: typed pydantic events through the public API: ``EventCodec.encode``
+* ``rolloutlog``: the domain's typed pydantic events (``rolloutlog.controller.domain``)
+  through the public API: the domain's ``EventCodec`` (``CODEC``) ``.encode``
   then ``EventStore.append`` per batch (and, separately, through ``GroupCommitter``);
   read back with ``EventStore.read`` and ``EventCodec.decode``.
 
@@ -45,12 +46,13 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from importlib import metadata as importlib_metadata
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.schema import CreateIndex, CreateTable
 
-from rolloutlog.eventstore import AuditKeys, EventCodec, EventModel, EventStore, GroupCommitter
+from rolloutlog.controller.domain.events import CODEC, SiblingCompleted, SiblingDispatched
+from rolloutlog.eventstore import EventCodec, EventModel, EventStore, GroupCommitter
 from rolloutlog.eventstore.schema import events as events_table
 from rolloutlog.eventstore.store import DEFAULT_SQLITE_SYNCHRONOUS
 
@@ -120,11 +122,9 @@ def spec(i: int) -> Spec:
 
 
 def payload_dict(s: Spec) -> dict[str, Any]:
-    """The event's payload as a plain dict (key order = the typed models' field order)."""
+    """The event's payload as a plain dict: the domain event's fields, in their order."""
     d: dict[str, Any] = {
         "group_id": s.group_id,
-        "prompt_index": s.prompt_index,
-        "target_step": s.target_step,
         "sibling": s.sibling,
         "attempt": s.attempt,
         "weight_version": s.weight_version,
@@ -133,66 +133,20 @@ def payload_dict(s: Spec) -> dict[str, Any]:
         d["prompt_tokens"] = s.prompt_tokens
         d["completion_tokens"] = s.completion_tokens
         d["reward"] = s.reward
-        d["finish_reason"] = "length" if s.completion_tokens > 2000 else "stop"
         d["payload_id"] = f"tok-{s.group_id:08d}-{s.sibling:02d}-{s.attempt}"
-    else:
-        d["engine"] = f"vllm-{s.sibling % 8}"
+        d["finish_reason"] = "length" if s.completion_tokens > 2000 else "stop"
+        d["salvaged_from"] = None
     return d
 
 
-class BenchSiblingDispatched(EventModel):
-    """rolloutlog's typed event for a dispatch (pydantic)."""
-
-    event_type: ClassVar[str] = "BenchSiblingDispatched"
-    schema_version: ClassVar[int] = 1
-
-    group_id: int
-    prompt_index: int
-    target_step: int
-    sibling: int
-    attempt: int
-    weight_version: int
-    engine: str
-
-    def audit_keys(self) -> AuditKeys:
-        """Group, prompt and target step go to the indexed audit columns."""
-        return AuditKeys(self.group_id, self.prompt_index, self.target_step)
-
-
-class BenchSiblingCompleted(EventModel):
-    """rolloutlog's typed event for a completion (pydantic)."""
-
-    event_type: ClassVar[str] = "BenchSiblingCompleted"
-    schema_version: ClassVar[int] = 1
-
-    group_id: int
-    prompt_index: int
-    target_step: int
-    sibling: int
-    attempt: int
-    weight_version: int
-    prompt_tokens: int
-    completion_tokens: int
-    reward: float
-    finish_reason: str
-    payload_id: str
-
-    def audit_keys(self) -> AuditKeys:
-        """Group, prompt and target step go to the indexed audit columns."""
-        return AuditKeys(self.group_id, self.prompt_index, self.target_step)
-
-
 def make_codec() -> EventCodec:
-    """A codec with the two benchmark event types registered."""
-    codec = EventCodec()
-    codec.register(BenchSiblingDispatched)
-    codec.register(BenchSiblingCompleted)
-    return codec
+    """The domain's codec: the benchmark measures the events a real run appends."""
+    return CODEC
 
 
 def rolloutlog_event(s: Spec) -> EventModel:
-    """The typed rolloutlog event for ``s``."""
-    cls = BenchSiblingCompleted if s.completed else BenchSiblingDispatched
+    """The domain event for ``s``: ``SiblingDispatched`` or ``SiblingCompleted``."""
+    cls = SiblingCompleted if s.completed else SiblingDispatched
     return cls(**payload_dict(s))
 
 
@@ -327,7 +281,7 @@ _COLS = (
     "run_id, seq, epoch, type, schema_version, recorded_at, train_step, weight_version, "
     "group_id, prompt_index, target_step, payload"
 )
-_TYPE_NAMES = (BenchSiblingDispatched.event_type, BenchSiblingCompleted.event_type)
+_TYPE_NAMES = (SiblingDispatched.event_type, SiblingCompleted.event_type)
 
 
 def bench_raw_sqlite(
