@@ -10,9 +10,10 @@ all of them, so the test backend is exactly as strict as the real ones.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 if TYPE_CHECKING:  # torch is the [torch] extra: the core imports it only where weights move
     import torch
@@ -131,6 +132,59 @@ class GenerationBackend(Protocol):
     async def close(self) -> None:
         """Stop the engine and release its resources."""
         ...
+
+
+_Handle = TypeVar("_Handle")
+
+
+class BackendBase:
+    """What the three backends share: the vocabulary size and weight version they
+    report, their closed flag, and the registry of in-flight ``generate`` calls per
+    group that :meth:`abort` and ``close`` act on. Subclasses set ``name`` and
+    ``label`` and implement the rest of :class:`GenerationBackend`."""
+
+    #: The kind :func:`make_backend` knows the backend by.
+    name: ClassVar[str] = ""
+    #: How errors name the backend ("torch backend is closed").
+    label: ClassVar[str] = "backend"
+
+    def __init__(self, *, vocab_size: int, weight_version: int) -> None:
+        self._vocab_size = vocab_size
+        self._weight_version = weight_version
+        # group id -> the handles (abort flags, stop events) of its running requests.
+        self._inflight: dict[int, list[Any]] = {}
+        self._closed = False
+
+    @property
+    def vocab_size(self) -> int:
+        """Size of the token vocabulary; every token id is in ``[0, vocab_size)``."""
+        return self._vocab_size
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the weights new requests are served with."""
+        return self._weight_version
+
+    def in_flight_groups(self) -> set[int]:
+        """Group ids with a ``generate`` call in progress."""
+        return {g for g, runs in self._inflight.items() if runs}
+
+    def _refuse_if_closed(self) -> None:
+        if self._closed:
+            raise BackendUnavailableError(f"{self.label} is closed")
+
+    @contextmanager
+    def _tracked(self, group_id: int, handle: _Handle) -> Iterator[_Handle]:
+        """Register ``handle`` as a running request of ``group_id`` for its duration."""
+        self._inflight.setdefault(group_id, []).append(handle)
+        try:
+            yield handle
+        finally:
+            runs = self._inflight.get(group_id, [])
+            if handle in runs:
+                runs.remove(handle)
+            if not runs:
+                self._inflight.pop(group_id, None)
 
 
 def _is_int(value: object) -> bool:

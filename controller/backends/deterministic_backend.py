@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # torch is the [torch] extra; only annotations need it here
 from rolloutlog.controller.backends._gate import DrainGate
 from rolloutlog.controller.backends.base import (
     BackendAbortedError,
+    BackendBase,
     BackendError,
     BackendUnavailableError,
     GroupRequest,
@@ -62,7 +63,7 @@ def _seed(*parts: object) -> int:
     return int.from_bytes(digest[:8], "little")
 
 
-class DeterministicBackend:
+class DeterministicBackend(BackendBase):
     """A model-free backend whose output is a pure function of the request and version.
 
     Token ids are drawn in ``[0, vocab_size)`` (never ``eos_token_id`` except as the
@@ -89,6 +90,7 @@ class DeterministicBackend:
     """
 
     name = "deterministic"
+    label = "deterministic backend"
 
     def __init__(
         self,
@@ -110,7 +112,7 @@ class DeterministicBackend:
             raise ValueError(f"eos_token_id {eos_token_id} outside [0, {vocab_size})")
         if isinstance(malformed, str) and malformed not in MALFORMED_MODES:
             raise ValueError(f"unknown malformed mode {malformed!r}; one of {MALFORMED_MODES}")
-        self._vocab_size = vocab_size
+        super().__init__(vocab_size=vocab_size, weight_version=weight_version)
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
         self.seed = seed
@@ -123,34 +125,16 @@ class DeterministicBackend:
             if weight_shapes is None
             else {name: tuple(int(d) for d in shape) for name, shape in weight_shapes.items()}
         )
-        self._weight_version = weight_version
         self._gate = DrainGate()
-        self._inflight: dict[int, list[_Running]] = {}
         self._started = False
-        self._closed = False
         #: Every request accepted by ``generate`` (after validation), in arrival order.
         self.requests: list[GroupRequest] = []
         #: Every ``(version, names)`` loaded by ``update_weights``.
         self.weight_updates: list[tuple[int, tuple[str, ...]]] = []
 
-    @property
-    def vocab_size(self) -> int:
-        """Size of the token vocabulary."""
-        return self._vocab_size
-
-    @property
-    def weight_version(self) -> int:
-        """Version reported by requests that start now."""
-        return self._weight_version
-
-    def in_flight_groups(self) -> set[int]:
-        """Group ids with a ``generate`` call in progress."""
-        return {g for g, runs in self._inflight.items() if runs}
-
     async def start(self) -> None:
         """Mark the backend started (``generate`` before ``start`` is an error)."""
-        if self._closed:
-            raise BackendUnavailableError("deterministic backend is closed")
+        self._refuse_if_closed()
         self._started = True
 
     async def close(self) -> None:
@@ -160,8 +144,7 @@ class DeterministicBackend:
         self._closed = True
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise BackendUnavailableError("deterministic backend is closed")
+        self._refuse_if_closed()
         if not self._started:
             raise BackendUnavailableError("deterministic backend is not started")
 
@@ -169,9 +152,7 @@ class DeterministicBackend:
         """Generate every requested sibling (see the class docstring for the rules)."""
         self._check_open()
         validate_request(request, self._vocab_size, self.max_model_len)
-        run = _Running()
-        self._inflight.setdefault(request.group_id, []).append(run)
-        try:
+        with self._tracked(request.group_id, _Running()) as run:
             async with self._gate.generating():
                 self._check_open()
                 if run.aborted:
@@ -189,12 +170,6 @@ class DeterministicBackend:
                     raise BackendAbortedError(f"group {request.group_id}: request aborted")
                 self._maybe_fail(request)
                 results = [self._one(request, spec, version) for spec in request.siblings]
-        finally:
-            runs = self._inflight.get(request.group_id, [])
-            if run in runs:
-                runs.remove(run)
-            if not runs:
-                self._inflight.pop(request.group_id, None)
         mode = self.malformed(request) if callable(self.malformed) else self.malformed
         if mode is not None:
             return self._break(request, results, mode)

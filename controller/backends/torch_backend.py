@@ -34,6 +34,7 @@ from transformers import (
 
 from rolloutlog.controller.backends.base import (
     BackendAbortedError,
+    BackendBase,
     BackendError,
     BackendUnavailableError,
     GroupRequest,
@@ -70,7 +71,7 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) 
     return frozenset(ids)
 
 
-class TorchBackend:
+class TorchBackend(BackendBase):
     """Samples siblings from a causal LM in-process (batched over a request's siblings).
 
     Args:
@@ -87,6 +88,7 @@ class TorchBackend:
     """
 
     name = "torch"
+    label = "torch backend"
 
     def __init__(
         self,
@@ -114,37 +116,21 @@ class TorchBackend:
                 f"max_model_len {self.max_model_len} must be in (1, {limit}] "
                 "(the model's max_position_embeddings)"
             )
-        self._vocab_size = int(self._model.config.vocab_size)
+        super().__init__(
+            vocab_size=int(self._model.config.vocab_size), weight_version=weight_version
+        )
         self._eos = _eos_ids(self._model, tokenizer)
         self.seed = seed
-        self._weight_version = weight_version
         state = self._model.state_dict()
         self._shapes = {name: tuple(t.shape) for name, t in state.items()}
         # Tied weights appear under several state_dict names but are one parameter.
         self._required = {name for name, _ in self._model.named_parameters()}
         self._lock = threading.Lock()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._inflight: dict[int, list[threading.Event]] = {}
-        self._closed = False
-
-    @property
-    def vocab_size(self) -> int:
-        """Width of the model's logits; every sampled id is below it."""
-        return self._vocab_size
-
-    @property
-    def weight_version(self) -> int:
-        """Version of the weights requests are served with."""
-        return self._weight_version
-
-    def in_flight_groups(self) -> set[int]:
-        """Group ids with a ``generate`` call in progress."""
-        return {g for g, events in self._inflight.items() if events}
 
     async def start(self) -> None:
         """Start the worker thread."""
-        if self._closed:
-            raise BackendUnavailableError("torch backend is closed")
+        self._refuse_if_closed()
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="rolloutlog-torch-backend"
@@ -161,8 +147,7 @@ class TorchBackend:
             await asyncio.to_thread(executor.shutdown, wait=True)
 
     def _check_open(self) -> concurrent.futures.ThreadPoolExecutor:
-        if self._closed:
-            raise BackendUnavailableError("torch backend is closed")
+        self._refuse_if_closed()
         if self._executor is None:
             raise BackendUnavailableError("torch backend is not started")
         return self._executor
@@ -171,29 +156,22 @@ class TorchBackend:
         """Sample every requested sibling; results in the order of ``request.siblings``."""
         executor = self._check_open()
         validate_request(request, self._vocab_size, self.max_model_len)
-        stop = threading.Event()
-        self._inflight.setdefault(request.group_id, []).append(stop)
-        try:
-            loop = asyncio.get_running_loop()
-            results = await loop.run_in_executor(executor, self._sample, request, stop)
-        except _Aborted:
-            raise BackendAbortedError(f"group {request.group_id}: request aborted") from None
-        except asyncio.CancelledError:
-            stop.set()  # the worker stops at its next token
-            raise
-        except BackendError:
-            raise
-        except Exception as exc:
-            raise BackendError(
-                f"group {request.group_id}: torch sampling failed: {type(exc).__name__}: {exc}",
-                retryable=True,
-            ) from exc
-        finally:
-            events = self._inflight.get(request.group_id, [])
-            if stop in events:
-                events.remove(stop)
-            if not events:
-                self._inflight.pop(request.group_id, None)
+        with self._tracked(request.group_id, threading.Event()) as stop:
+            try:
+                loop = asyncio.get_running_loop()
+                results = await loop.run_in_executor(executor, self._sample, request, stop)
+            except _Aborted:
+                raise BackendAbortedError(f"group {request.group_id}: request aborted") from None
+            except asyncio.CancelledError:
+                stop.set()  # the worker stops at its next token
+                raise
+            except BackendError:
+                raise
+            except Exception as exc:
+                raise BackendError(
+                    f"group {request.group_id}: torch sampling failed: {type(exc).__name__}: {exc}",
+                    retryable=True,
+                ) from exc
         return validate_results(request, results, self._vocab_size)
 
     def _sample(self, request: GroupRequest, stop: threading.Event) -> list[SiblingResult]:

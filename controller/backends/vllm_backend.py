@@ -35,6 +35,7 @@ import torch
 from rolloutlog.controller.backends._gate import DrainGate
 from rolloutlog.controller.backends.base import (
     BackendAbortedError,
+    BackendBase,
     BackendError,
     BackendUnavailableError,
     GroupRequest,
@@ -82,7 +83,7 @@ def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-class VLLMBackend:
+class VLLMBackend(BackendBase):
     """Generation on a vLLM ``AsyncLLM`` engine started by :meth:`start`.
 
     Args:
@@ -102,6 +103,7 @@ class VLLMBackend:
     """
 
     name = "vllm"
+    label = "vLLM backend"
 
     def __init__(
         self,
@@ -122,34 +124,17 @@ class VLLMBackend:
         self.enforce_eager = enforce_eager
         self.engine_kwargs = dict(engine_kwargs or {})
         self.shutdown_timeout = shutdown_timeout
-        self._weight_version = weight_version
+        # The vocabulary size is known once the engine has started.
+        super().__init__(vocab_size=0, weight_version=weight_version)
         self._engine: Any = None
-        self._vocab_size = 0
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._torch_dtype: torch.dtype = getattr(torch, dtype)
         self._gate = DrainGate()
-        self._inflight: dict[int, list[_Running]] = {}
         self._ids = itertools.count()
-        self._closed = False
-
-    @property
-    def vocab_size(self) -> int:
-        """The model's vocabulary size (known once started)."""
-        return self._vocab_size
-
-    @property
-    def weight_version(self) -> int:
-        """Version of the weights new requests are served with."""
-        return self._weight_version
-
-    def in_flight_groups(self) -> set[int]:
-        """Group ids with a ``generate`` call in progress."""
-        return {g for g, runs in self._inflight.items() if runs}
 
     async def start(self) -> None:
         """Start the engine; :class:`BackendUnavailableError` names why it cannot."""
-        if self._closed:
-            raise BackendUnavailableError("vLLM backend is closed")
+        self._refuse_if_closed()
         if self._engine is not None:
             return
         if not (self.model_dir / "config.json").is_file():
@@ -196,8 +181,7 @@ class VLLMBackend:
             gc.collect()
 
     def _check_open(self) -> Any:
-        if self._closed:
-            raise BackendUnavailableError("vLLM backend is closed")
+        self._refuse_if_closed()
         if self._engine is None:
             raise BackendUnavailableError("vLLM backend is not started")
         if self._engine.errored:
@@ -208,9 +192,7 @@ class VLLMBackend:
         """One vLLM request per sibling; results in the order of ``request.siblings``."""
         self._check_open()
         validate_request(request, self._vocab_size, self.max_model_len)
-        run = _Running()
-        self._inflight.setdefault(request.group_id, []).append(run)
-        try:
+        with self._tracked(request.group_id, _Running()) as run:
             async with self._gate.generating():
                 engine = self._check_open()
                 if run.aborted:
@@ -236,12 +218,6 @@ class VLLMBackend:
                 if any(task.cancelled() for task in run.tasks):
                     raise BackendAbortedError(f"group {request.group_id}: request aborted")
                 results = [task.result() for task in run.tasks]
-        finally:
-            runs = self._inflight.get(request.group_id, [])
-            if run in runs:
-                runs.remove(run)
-            if not runs:
-                self._inflight.pop(request.group_id, None)
         return validate_results(request, results, self._vocab_size)
 
     async def _one(
