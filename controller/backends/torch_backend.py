@@ -61,7 +61,7 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) 
     ids: set[int] = set()
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
-    gen = getattr(model, "generation_config", None)
+    gen = model.generation_config  # None for a model that cannot generate
     for source in (gen, model.config):
         eos = None if source is None else source.eos_token_id
         if isinstance(eos, int):
