@@ -74,6 +74,27 @@ class GenerationConfig(BaseModel):
     max_tokens: int = Field(16, ge=1, description="Most tokens generated per sibling.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    max_backend_aborts_per_sibling: int = Field(
+        3,
+        ge=1,
+        description="Aborts of one sibling by the backend (not by the pump) before the next "
+        "one is recorded as a retryable failure, which counts toward attempts_per_sibling.",
+    )
+    retry_backoff_s: float = Field(
+        0.05,
+        ge=0,
+        description="Wait before re-dispatching a group after a failed or aborted request; "
+        "doubles with each consecutive one.",
+    )
+    retry_backoff_max_s: float = Field(
+        2.0, ge=0, description="Cap of the exponential re-dispatch backoff."
+    )
+    drain_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Longest publish_weights waits for in-flight generation to finish before "
+        "it aborts that (stale) work and swaps the weights.",
+    )
 
 
 class PromptSource(Protocol):
@@ -178,6 +199,14 @@ class RolloutRuntime:
         #: Seconds each checkpoint() took until its marker was durable (for metrics; one
         #: float per checkpoint, so it stays small).
         self.checkpoint_seconds: list[float] = []
+        #: Backend-initiated aborts per (group, sibling): capped by
+        #: ``max_backend_aborts_per_sibling`` so a backend that aborts everything cannot
+        #: make the pump re-dispatch the same sibling forever.
+        self._backend_aborts: dict[tuple[int, int], int] = {}
+        #: Consecutive failed or aborted requests per group, and the loop time before
+        #: which the group is not re-dispatched (exponential backoff).
+        self._retry_streak: dict[int, int] = {}
+        self._not_before: dict[int, float] = {}
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -186,7 +215,13 @@ class RolloutRuntime:
         self._pump_task = asyncio.create_task(self._pump(), name="rolloutlog-pump")
 
     async def close(self) -> None:
-        """Stop the pump, abort in-flight generation, flush the log."""
+        """Stop the pump, abort in-flight generation, record the aborts, flush the log.
+
+        Every attempt still in flight is recorded as aborted, so another runtime on the
+        same controller re-dispatches it (an attempt left in flight would never come
+        back). Raises the error of recording those aborts or of the final flush: a close
+        that could not make the log durable must not look like a clean one.
+        """
         self._closing = True
         self._changed.set()
         if self._pump_task is not None:
@@ -194,15 +229,40 @@ class RolloutRuntime:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._pump_task
         for gid, flight in list(self._flights.items()):
-            with contextlib.suppress(Exception):
+            try:
                 await self.backend.abort(gid)
+            except Exception:  # the engine may be gone already; the log still records it
+                log.exception("aborting group %s in the backend failed", gid)
             flight.task.cancel()
         for flight in list(self._flights.values()):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await flight.task
         self._flights.clear()
-        with contextlib.suppress(Exception):
+        error: BaseException | None = None
+        try:
+            self._abort_all_in_flight("the runtime was closed")
+        except Exception as exc:
+            error = exc
+        try:
             await self.controller.aflush()
+        except Exception as exc:
+            error = error or exc
+        if error is not None:
+            raise error
+
+    def _abort_all_in_flight(self, reason: str) -> None:
+        """Record the abort of every sibling attempt the log holds in flight."""
+        if self.controller.state.failure is not None:
+            return  # a failed run takes no command; its in-flight work dies with it
+        for group in list(self.controller.state.groups.values()):
+            if group.phase is not Phase.ADMITTED:
+                continue
+            for index, sib in enumerate(group.siblings):
+                if sib.status is SiblingStatus.IN_FLIGHT:
+                    self.controller.execute(
+                        AbortSibling(group.group_id, index, sib.attempt, reason)
+                    )
+                    self.stats.aborted += 1
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -217,7 +277,9 @@ class RolloutRuntime:
     # ------------------------------------------------------------------ the pump
     async def _pump(self) -> None:
         try:
-            while not self._closing:
+            # A failure stops dispatch for good: re-dispatching after a non-retryable
+            # error would write an abort/dispatch pair per sibling as fast as the loop spins.
+            while not self._closing and self._error is None:
                 self._changed.clear()
                 self._admit()
                 self._dispatch()
@@ -238,8 +300,9 @@ class RolloutRuntime:
     def _dispatch(self) -> None:
         state = self.controller.state
         budget = self.generation.max_in_flight_siblings - self._in_flight()
-        if budget <= 0 or self._swapping:
+        if budget <= 0 or self._swapping or self._error is not None or self._closing:
             return
+        now = asyncio.get_running_loop().time()
         # Oldest target step first, so the next batch fills before later ones.
         candidates = sorted(
             (g for g in state.groups.values() if g.phase is Phase.ADMITTED),
@@ -250,6 +313,8 @@ class RolloutRuntime:
                 break
             if group.group_id in self._flights:
                 continue
+            if self._not_before.get(group.group_id, 0.0) > now:
+                continue  # backing off after a failed or aborted request
             pending = [
                 i for i, s in enumerate(group.siblings) if s.status is SiblingStatus.PENDING
             ][:budget]
@@ -291,7 +356,8 @@ class RolloutRuntime:
                 results = await self.backend.generate(request)
                 validate_results(request, results, self.backend.vocab_size)
             except BackendAbortedError:
-                self._record_aborts(request, "aborted by the backend")
+                if self._record_backend_aborts(request):
+                    self._back_off(request.group_id)
                 return
             except MalformedResultError as exc:
                 # A contract breach is a bug in the backend, not a transient failure.
@@ -304,8 +370,11 @@ class RolloutRuntime:
                     self._record_aborts(request, f"backend unavailable: {exc}")
                     self._fail(exc)
                     return
-                self._record_failures(request, exc)
+                if self._record_failures(request, exc):
+                    self._back_off(request.group_id)
                 return
+            self._retry_streak.pop(request.group_id, None)
+            self._not_before.pop(request.group_id, None)
             self._record_results(request, prompt_index, results)
         except asyncio.CancelledError:
             raise
@@ -344,6 +413,7 @@ class RolloutRuntime:
                 log.debug("rejected result: %s", exc)
                 continue
             self._payload_cache[payload_id] = data
+            self._backend_aborts.pop((res.group_id, res.sibling), None)
             self.stats.completed += 1
 
     def _still_in_flight(self, group_id: int, sibling: int, attempt: int) -> bool:
@@ -353,7 +423,62 @@ class RolloutRuntime:
         sib = group.siblings[sibling]
         return sib.attempt == attempt and sib.status is SiblingStatus.IN_FLIGHT
 
-    def _record_failures(self, request: GroupRequest, exc: BackendError) -> None:
+    def _back_off(self, group_id: int) -> None:
+        """Hold the group back before its next dispatch (exponential, capped)."""
+        streak = self._retry_streak.get(group_id, 0) + 1
+        self._retry_streak[group_id] = streak
+        gen = self.generation
+        delay = min(gen.retry_backoff_max_s, gen.retry_backoff_s * 2 ** (streak - 1))
+        if delay <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        self._not_before[group_id] = loop.time() + delay
+        loop.call_later(delay, self._changed.set)  # wake the pump when it may dispatch
+
+    def _record_backend_aborts(self, request: GroupRequest) -> int:
+        """Record a request the backend aborted on its own; return how many were recorded.
+
+        Aborts the pump asked for (publish, eviction, close) were recorded already, so
+        their siblings are no longer in flight and are skipped here. Past
+        ``max_backend_aborts_per_sibling`` the abort is recorded as a retryable failure,
+        so ``attempts_per_sibling`` bounds the sibling's attempts.
+        """
+        cap = self.generation.max_backend_aborts_per_sibling
+        recorded = 0
+        for spec in request.siblings:
+            if not self._still_in_flight(request.group_id, spec.sibling, spec.attempt):
+                continue
+            key = (request.group_id, spec.sibling)
+            count = self._backend_aborts.get(key, 0) + 1
+            self._backend_aborts[key] = count
+            if count < cap:
+                self.controller.execute(
+                    AbortSibling(
+                        group_id=request.group_id,
+                        sibling=spec.sibling,
+                        attempt=spec.attempt,
+                        reason="aborted by the backend",
+                    )
+                )
+                self.stats.aborted += 1
+            else:
+                self._backend_aborts.pop(key, None)
+                self.controller.execute(
+                    FailSibling(
+                        group_id=request.group_id,
+                        sibling=spec.sibling,
+                        attempt=spec.attempt,
+                        retryable=True,
+                        reason=f"aborted by the backend {count} times "
+                        f"(max_backend_aborts_per_sibling={cap})",
+                    )
+                )
+                self.stats.failed += 1
+            recorded += 1
+        return recorded
+
+    def _record_failures(self, request: GroupRequest, exc: BackendError) -> int:
+        recorded = 0
         for spec in request.siblings:
             if not self._still_in_flight(request.group_id, spec.sibling, spec.attempt):
                 continue
@@ -367,6 +492,8 @@ class RolloutRuntime:
                 )
             )
             self.stats.failed += 1
+            recorded += 1
+        return recorded
 
     def _record_aborts(self, request: GroupRequest, reason: str) -> None:
         for spec in request.siblings:
@@ -475,12 +602,49 @@ class RolloutRuntime:
         self._swapping += 1
         try:
             await self.controller.aflush()
-            await self.backend.update_weights(named_tensors, weight_version)
+            await self._update_weights_drained(named_tensors, weight_version)
         finally:
             self._swapping -= 1
         applied = self.controller.execute(PublishWeights(weight_version))
         await self._abort_in_backend([ev for _, ev in applied])
         self._changed.set()
+
+    async def _update_weights_drained(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int
+    ) -> None:
+        """``update_weights`` with a bounded drain (``drain_timeout_s``).
+
+        The backend swaps only once in-flight generation has finished. If it has not
+        within the timeout, that work is stale anyway: its aborts are recorded, the
+        backend is told to abort it, and the swap gets one more timeout to go through.
+        """
+        timeout = self.generation.drain_timeout_s
+        update = asyncio.ensure_future(self.backend.update_weights(named_tensors, weight_version))
+        try:
+            done, _ = await asyncio.wait({update}, timeout=timeout)
+            if not done:
+                reason = (
+                    f"in-flight generation did not drain within drain_timeout_s={timeout} "
+                    f"for the publish of weight version {weight_version}"
+                )
+                log.warning("%s: aborting it", reason)
+                self._abort_all_in_flight(reason)
+                for gid in list(self._flights):
+                    await self.backend.abort(gid)
+                done, _ = await asyncio.wait({update}, timeout=timeout)
+                if not done:
+                    err = BackendUnavailableError(
+                        f"the backend did not swap to weight version {weight_version}: "
+                        f"aborted generation still had not drained after {2 * timeout}s"
+                    )
+                    self._fail(err)  # a backend that cannot swap stops the run
+                    raise err
+            update.result()
+        finally:
+            if not update.done():
+                update.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await update
 
     async def sync_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int
@@ -493,7 +657,7 @@ class RolloutRuntime:
         if self.backend.weight_version != weight_version:
             self._swapping += 1
             try:
-                await self.backend.update_weights(named_tensors, weight_version)
+                await self._update_weights_drained(named_tensors, weight_version)
             finally:
                 self._swapping -= 1
         if self.controller.state.published_version < weight_version:

@@ -8,6 +8,9 @@ Requests that arrive while a swap is pending wait and then see the new version.
 
 It holds no asyncio primitive bound to a loop: each waiter creates its future on
 the running loop, so one backend object can be used from successive event loops.
+
+A task that is already inside the gate (generating or swapping) and enters it again
+would wait for itself forever; the gate refuses that with :class:`GateReentryError`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,10 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 
+class GateReentryError(RuntimeError):
+    """A task inside the drain gate tried to enter it again (it would deadlock)."""
+
+
 class DrainGate:
     """Many concurrent generators or one weight swap, never both."""
 
@@ -25,6 +32,20 @@ class DrainGate:
         self._active = 0
         self._swapping = False
         self._waiters: list[asyncio.Future[None]] = []
+        #: Tasks inside the gate and what they hold ("generating" or "swapping").
+        self._holders: dict[asyncio.Task[object], str] = {}
+
+    def _enter(self, what: str) -> asyncio.Task[object] | None:
+        """Refuse a task that already holds the gate (it would wait for itself)."""
+        task = asyncio.current_task()
+        held = self._holders.get(task) if task is not None else None
+        if held is not None:
+            raise GateReentryError(
+                f"drain gate re-entered: this task is already {held} and tried to start "
+                f"{what}; a weight swap waits for running generation and generation waits "
+                "for the swap, so this would deadlock"
+            )
+        return task
 
     @property
     def active(self) -> int:
@@ -51,12 +72,17 @@ class DrainGate:
     @asynccontextmanager
     async def generating(self) -> AsyncIterator[None]:
         """Hold the gate open for one request (waits while a swap is pending)."""
+        task = self._enter("generating")
         while self._swapping:
             await self._wait()
         self._active += 1
+        if task is not None:
+            self._holders[task] = "generating"
         try:
             yield
         finally:
+            if task is not None:
+                self._holders.pop(task, None)
             self._active -= 1
             if self._active == 0:
                 self._wake()
@@ -64,14 +90,19 @@ class DrainGate:
     @asynccontextmanager
     async def swapping(self) -> AsyncIterator[None]:
         """Close the gate, wait for the running requests to finish, then yield."""
+        task = self._enter("a weight swap")
         while self._swapping:
             await self._wait()
         self._swapping = True
+        if task is not None:
+            self._holders[task] = "swapping"
         try:
             while self._active:
                 await self._wait()
             yield
         finally:
+            if task is not None:
+                self._holders.pop(task, None)
             self._swapping = False
             self._wake()
 

@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from rolloutlog.controller.domain.invariants import find_violations
@@ -46,6 +49,8 @@ class WorkerOutcome:
     messages: list[dict[str, Any]] = field(default_factory=list)
     killed: bool = False
     returncode: int | None = None
+    #: The worker's pid, which is also its process group and session id.
+    pid: int | None = None
 
 
 def _root_cause(stderr: str) -> str | None:
@@ -56,6 +61,63 @@ def _root_cause(stderr: str) -> str | None:
         if m and "See root cause above" not in line:
             return m.group(0).strip()
     return None
+
+
+def _worker_argv(cfg: RunConfig, run_id: str, mode: str) -> list[str]:
+    """The command line of one demo worker process."""
+    return [
+        sys.executable,
+        "-m",
+        "rolloutlog.grpo.demo_worker",
+        cfg.model_dump_json(),
+        run_id,
+        mode,
+    ]
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a live (not zombie) process of the group ``pgid`` is left.
+
+    Reads /proc where there is one (a zombie holds no memory, and in a container whose
+    init does not reap, orphaned zombies never go away); elsewhere asks the kernel.
+    """
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # exited meanwhile
+        # pid (comm) state ppid pgrp session ...: comm may contain spaces and parens.
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def _kill_group(proc: subprocess.Popen[str], *, wait_s: float = 10.0) -> None:
+    """SIGKILL every process of the worker's group and wait (bounded) until none is left.
+
+    The worker's children (vLLM's EngineCore and its workers, 1.8 GB each) are in its
+    process group: killing only the worker would leave them running as orphans.
+    """
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return  # nothing of the group is left
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        proc.poll()  # reap the worker itself
+        if not _group_alive(proc.pid):
+            return
+        time.sleep(0.05)  # killed processes vanish within moments; bounded by the deadline
 
 
 def _run_worker(
@@ -70,40 +132,68 @@ def _run_worker(
     # stderr goes to a file, not a pipe: a chatty worker (vLLM logs a lot) would fill a
     # pipe nobody reads until the end and block forever.
     with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as errfile:
+        # Its own session and process group: the crash kills the worker and every
+        # process it started (the vLLM engine's), and nothing of it outlives the demo.
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "rolloutlog.grpo.demo_worker",
-                cfg.model_dump_json(),
-                run_id,
-                mode,
-            ],
+            _worker_argv(cfg, run_id, mode),
             stdout=subprocess.PIPE,
             stderr=errfile,
             text=True,
             env=env,
+            start_new_session=True,
         )
-        out = WorkerOutcome()
+        out = WorkerOutcome(pid=proc.pid)
         assert proc.stdout is not None
-        for line in proc.stdout:
-            line = line.strip()
-            if not line.startswith("{"):
-                continue
-            msg = json.loads(line)
-            out.messages.append(msg)
-            on_message(msg)
-            if (
-                kill_after_step is not None
-                and msg.get("event") == "step"
-                and msg["step"] >= kill_after_step
-            ):
-                # A real crash: no cleanup, no flush, generation still in flight.
-                os.kill(proc.pid, signal.SIGKILL)
-                out.killed = True
-                break
-        proc.wait()
-        proc.stdout.close()
+        stdout = proc.stdout
+        # A reader thread, so the loop below notices the worker's exit even while a
+        # process it started still holds its stdout open (no EOF until that one dies).
+        lines: queue.Queue[str | None] = queue.Queue()
+
+        def read_lines() -> None:
+            for raw in stdout:
+                lines.put(raw)
+            lines.put(None)
+
+        reader = threading.Thread(target=read_lines, name="demo-worker-stdout", daemon=True)
+        reader.start()
+        read_all = False
+        try:
+            while True:
+                try:
+                    line = lines.get(timeout=0.5)
+                except queue.Empty:
+                    if proc.poll() is not None:
+                        _kill_group(proc)  # its leftovers hold the pipe: end them
+                    continue
+                if line is None:
+                    read_all = True
+                    break
+                line = line.strip()
+                if not line.startswith("{"):
+                    continue
+                msg = json.loads(line)
+                out.messages.append(msg)
+                on_message(msg)
+                if (
+                    kill_after_step is not None
+                    and msg.get("event") == "step"
+                    and msg["step"] >= kill_after_step
+                ):
+                    # A real crash: no cleanup, no flush, generation still in flight.
+                    _kill_group(proc)
+                    out.killed = True
+                    break
+        finally:
+            if not read_all:
+                # Stopped reading early (a crash, an error, ^C): nothing of the worker
+                # may outlive this function.
+                _kill_group(proc)
+            proc.wait()
+            # A worker that exited on its own may still leave engine processes behind.
+            _kill_group(proc, wait_s=5.0)
+            reader.join(timeout=10)
+            if not reader.is_alive():
+                stdout.close()
         out.returncode = proc.returncode
         if not out.killed and proc.returncode != 0:
             errfile.seek(0)
@@ -151,6 +241,7 @@ def run_demo(
         cfg, rid, "resume", kill_after_step=None, on_message=lambda m: notify("resume", m)
     )
     restored = next((m for m in second.messages if m.get("event") == "restored"), {})
+    worker_pids = [w.pid for w in (first, second)]
     store = EventStore.open(cfg.store.url)
     try:
         state = replay(store, rid).state
@@ -195,4 +286,5 @@ def run_demo(
         "invariant_violations": violations,
         "log_events": last_seq,
         "seconds": round(time.perf_counter() - started, 1),
+        "worker_pids": worker_pids,
     }

@@ -8,6 +8,7 @@ together with the rollout checkpoint offset, and a resume restores both.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import uuid
@@ -22,13 +23,14 @@ from rolloutlog.controller.backends.base import GenerationBackend
 from rolloutlog.controller.domain.errors import RestoreError
 from rolloutlog.controller.rollout_controller import RecoveryReport, RolloutController
 from rolloutlog.controller.rollout_runtime import RolloutRuntime
-from rolloutlog.eventstore import EventStore
+from rolloutlog.eventstore import EpochFencedError, EventStore
 
 from .run_config import BackendKind, RunConfig
 from .tiny_model import TinyModelSpec, build_tiny_model, load_policy
 from .toy_task import ToyTask
 from .trainer import GRPOTrainer, TrainSample
 
+log = logging.getLogger(__name__)
 Progress = Callable[[dict[str, Any]], None]
 _CKPT = re.compile(r"step-(\d+)\.pt$")
 
@@ -279,7 +281,6 @@ async def run_training(
                 version = step + 1
                 await runtime.report_trained(step, version)
                 await runtime.publish_weights(trainer.named_weights(), version)
-                rewards[step] = batch.mean_reward
                 msg: dict[str, Any] = {
                     "event": "step",
                     "step": step,
@@ -287,19 +288,70 @@ async def run_training(
                     "loss": stats.loss if stats is not None else None,
                     "groups": len(batch.group_ids),
                     "shortfall": batch.shortfall,
-                    "offset": controller.state.last_seq,
                 }
                 if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
                     offset = await runtime.checkpoint(step + 1)
                     path = _save_checkpoint(cfg, run_id, trainer, step + 1, offset, version)
                     msg["checkpoint"] = {"offset": offset, "path": str(path)}
+                # Progress only once the log holds the step: a controller fenced by a
+                # takeover must never report a step the log refused.
+                msg["offset"] = await controller.aflush()
+                rewards[step] = batch.mean_reward
                 emit(msg)
-        finally:
+        except BaseException as exc:
+            await _close_quietly(runtime, backend, controller, telemetry)
+            fenced = fenced_cause(exc)
+            if fenced is not None:
+                # One clear message naming both epochs, not the pump's wrapping of it.
+                raise EpochFencedError(
+                    fenced.run_id, fenced.writer_epoch, fenced.current_epoch
+                ) from exc
+            raise
+        else:
             if telemetry is not None:
                 telemetry.close()  # logs its own errors, never raises
-            await runtime.close()
-            await backend.close()
-            controller.close()
+            try:
+                await runtime.close()  # raises a failed final flush
+            finally:
+                try:
+                    await backend.close()
+                finally:
+                    controller.close()
         return TrainingResult(run_id, first, cfg.steps - first, rewards, recovery)
     finally:
         store.close()
+
+
+def fenced_cause(exc: BaseException) -> EpochFencedError | None:
+    """The EpochFencedError behind ``exc`` (through causes and contexts), if any."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, EpochFencedError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+async def _close_quietly(
+    runtime: RolloutRuntime,
+    backend: GenerationBackend,
+    controller: RolloutController,
+    telemetry: Any,
+) -> None:
+    """Close everything after an error; a close error is logged, the first error wins."""
+    if telemetry is not None:
+        telemetry.close()  # logs its own errors, never raises
+    try:
+        await runtime.close()
+    except Exception:
+        log.warning("closing the runtime after an error failed too", exc_info=True)
+    try:
+        await backend.close()
+    except Exception:
+        log.warning("closing the backend after an error failed too", exc_info=True)
+    try:
+        controller.close()
+    except Exception:
+        log.warning("closing the controller after an error failed too", exc_info=True)

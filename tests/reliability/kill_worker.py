@@ -81,7 +81,11 @@ async def main(url: str, run_id: str, mode: str, steps: int) -> int:
             return 3
         raise
     finally:
-        await runtime.close()
+        try:
+            await runtime.close()  # raises a failed final flush (a fenced one here)
+        except Exception as exc:
+            if fenced_cause(exc) is None:
+                raise
         try:
             ctl.close()
         except Exception as exc:

@@ -170,7 +170,12 @@ KILL_WORKER = __import__("pathlib").Path(__file__).with_name("kill_worker.py")
 
 
 class Worker:
-    """A ``kill_worker.py`` process whose stdout lines are collected by a reader thread."""
+    """A ``kill_worker.py`` process whose stdout and stderr are collected by reader threads.
+
+    The process runs in its own session (so its whole process group can be killed), and
+    every wait on it has a deadline: a worker that hangs fails the test with its output
+    tails instead of blocking it.
+    """
 
     def __init__(self, url: str, run_id: str, mode: str, steps: int) -> None:
         import subprocess
@@ -183,14 +188,21 @@ class Worker:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            start_new_session=True,
         )
         self.lines: list[str] = []
-        self.stderr = ""
+        self._err_lines: list[str] = []
         self._cond = threading.Condition()
         self._out = threading.Thread(target=self._pump_out, daemon=True)
         self._err = threading.Thread(target=self._pump_err, daemon=True)
         self._out.start()
         self._err.start()
+
+    @property
+    def stderr(self) -> str:
+        """What the process wrote to stderr so far."""
+        with self._cond:
+            return "".join(self._err_lines)
 
     def _pump_out(self) -> None:
         assert self.proc.stdout is not None
@@ -203,7 +215,16 @@ class Worker:
 
     def _pump_err(self) -> None:
         assert self.proc.stderr is not None
-        self.stderr = self.proc.stderr.read()
+        for line in self.proc.stderr:
+            with self._cond:
+                self._err_lines.append(line)
+
+    def describe(self) -> str:
+        """Exit status and output tails, for assertion messages."""
+        return (
+            f"{self.mode} worker (rc={self.proc.poll()}): stdout tail {self.lines[-5:]}, "
+            f"stderr tail {self.stderr[-2000:]!r}"
+        )
 
     def wait_for(self, prefix: str, timeout: float = 60.0, count: int = 1) -> str:
         """Block until ``count`` lines starting with ``prefix`` were printed; return the last."""
@@ -217,25 +238,49 @@ class Worker:
                     return hits[count - 1]
                 left = deadline - time.monotonic()
                 if left <= 0 or (self.proc.poll() is not None and not self._out.is_alive()):
-                    raise AssertionError(
-                        f"{self.mode} worker: no {prefix!r} line (rc={self.proc.poll()}); "
-                        f"stdout tail {self.lines[-5:]}, stderr tail {self.stderr[-2000:]!r}"
-                    )
+                    break
                 self._cond.wait(min(left, 0.2))
+        raise AssertionError(f"no {prefix!r} line within {timeout}s; {self.describe()}")
 
     def finish(self, timeout: float = 90.0) -> int:
-        """Wait for the process to exit; return its status."""
-        rc = self.proc.wait(timeout=timeout)
+        """Wait (at most ``timeout`` s) for the process to exit; return its status.
+
+        A process still running then is killed and the test fails with its output.
+        """
+        import subprocess
+
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self._kill_group()
+            self.proc.wait(timeout=30)
+            self._join()
+            raise AssertionError(
+                f"worker still running after {timeout}s; {self.describe()}"
+            ) from None
+        self._join()
+        return rc
+
+    def _join(self) -> None:
         self._out.join(timeout=10)
         self._err.join(timeout=10)
-        return rc
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            if pipe is not None and not self._out.is_alive() and not self._err.is_alive():
+                pipe.close()
+
+    def _kill_group(self) -> None:
+        import contextlib
+        import os
+        import signal
+
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
 
     def acks(self) -> list[int]:
         """Every offset the process reported durable."""
         return [int(x.split()[1]) for x in self.lines if x.startswith("ACK")]
 
     def kill(self) -> None:
-        """SIGKILL the process if it still runs (test cleanup)."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.finish()
+        """SIGKILL the process and its whole group (test cleanup; idempotent)."""
+        self._kill_group()
+        self.finish(timeout=30)

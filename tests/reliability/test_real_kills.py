@@ -6,69 +6,45 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
+from reliability_harness import Worker
 
 from rolloutlog.controller.domain.invariants import check_invariants
 from rolloutlog.controller.replay_tool import check_history
 from rolloutlog.controller.rollout_controller import replay
 from rolloutlog.eventstore import EventStore
 
-WORKER = Path(__file__).with_name("kill_worker.py")
 KILLS = int(os.environ.get("ROLLOUTLOG_KILLS", "100"))
+#: Longest a worker may take to start (imports on a loaded machine) before the test fails.
+START_TIMEOUT_S = 180.0
 
 
-def _spawn(url: str, mode: str, steps: int = 1_000_000) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, str(WORKER), url, "r", mode, str(steps)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+def _kill_at_random(url: str, mode: str, rng: random.Random) -> tuple[int, str]:
+    """Wait for READY, let it run a random while, SIGKILL it; return the highest ACK.
 
-
-def _kill_at_random(proc: subprocess.Popen[str], rng: random.Random) -> tuple[int, str]:
-    """Wait for READY, let it run a random while, SIGKILL it; return the highest ACK."""
-    assert proc.stdout is not None
-    acked = 0
-    ready = proc.stdout.readline()
-    while ready.startswith("ACK"):
-        acked = max(acked, int(ready.split()[1]))
-        ready = proc.stdout.readline()
-    if not ready.startswith("READY"):
-        proc.kill()
-        err = proc.stderr.read() if proc.stderr else ""
-        raise AssertionError(f"worker did not start: {ready!r} {err[-2000:]}")
-    deadline = time.monotonic() + rng.uniform(0.05, 0.8)
-    os.set_blocking(proc.stdout.fileno(), False)
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if line.startswith("ACK"):
-            acked = max(acked, int(line.split()[1]))
-        elif not line:
-            time.sleep(0.005)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    # Anything printed before the kill is an acknowledgement too.
-    for line in proc.stdout.read().splitlines() if proc.stdout else []:
-        if line.startswith("ACK"):
-            acked = max(acked, int(line.split()[1]))
-    proc.stdout.close()
-    if proc.stderr:
-        proc.stderr.close()
-    return acked, ready.strip()
+    Every wait has a deadline and a failure names the worker's stderr (a bare
+    ``readline()`` once blocked a loaded machine's run until the suite's timeout).
+    """
+    worker = Worker(url, "r", mode, 1_000_000)
+    try:
+        ready = worker.wait_for("READY", timeout=START_TIMEOUT_S)
+        # The kill moment is random on purpose: inside group commits, between them.
+        time.sleep(rng.uniform(0.05, 0.8))
+        worker.kill()
+        # Anything printed before the kill is an acknowledgement too (the reader thread
+        # has read the pipe to its end).
+        return max(worker.acks(), default=0), ready
+    finally:
+        worker.kill()
 
 
 def _kill_loop(url: str, kills: int, seed: int) -> None:
     rng = random.Random(seed)
     highest_ack = 0
     for i in range(kills):
-        proc = _spawn(url, "start" if i == 0 else "open")
-        acked, ready = _kill_at_random(proc, rng)
+        acked, ready = _kill_at_random(url, "start" if i == 0 else "open", rng)
         highest_ack = max(highest_ack, acked)
         store = EventStore.open(url)  # every reopen succeeds
         try:
@@ -101,3 +77,17 @@ def test_sigkill_loop_sqlite(sqlite_url: str) -> None:
 @pytest.mark.postgres
 def test_sigkill_loop_postgres(pg_url: str) -> None:
     _kill_loop(pg_url, max(10, KILLS // 10), seed=2)
+
+
+def test_a_hung_worker_fails_within_its_deadline(sqlite_url: str) -> None:
+    """A worker that never gets to READY fails the wait with its output, it does not hang."""
+    worker = Worker(sqlite_url, "r", "start", 1)
+    try:
+        os.kill(worker.proc.pid, signal.SIGSTOP)  # hung before it could print anything
+        started = time.monotonic()
+        with pytest.raises(AssertionError, match=r"no 'READY' line within 1.0s; start worker"):
+            worker.wait_for("READY", timeout=1.0)
+        assert time.monotonic() - started < 10
+    finally:
+        worker.kill()
+    assert worker.proc.returncode == -signal.SIGKILL

@@ -1,0 +1,128 @@
+"""The demo's worker runs in its own process group and the whole group is killed: no
+process the worker started (vLLM's EngineCore and workers, 1.8 GB each) outlives it.
+
+The fast test stands in a tiny worker that starts a helper grandchild (the same
+mechanism as the vLLM engine's processes); the vLLM test runs the real demo once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rolloutlog.grpo import demo
+from rolloutlog.grpo.run_config import RunConfig
+
+from .conftest import require_vllm, rolloutlog
+
+FAKE_WORKER = """
+import json, subprocess, sys, time
+helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print(json.dumps({"event": "helper", "pid": helper.pid}), flush=True)
+steps = 3 if sys.argv[1] == "exit" else 10**6
+for step in range(steps):
+    print(json.dumps({"event": "step", "step": step}), flush=True)
+    time.sleep(0.05)
+"""
+
+
+def _stat(pid: int) -> list[str] | None:
+    """``state ppid pgrp session ...`` of a process, or None if it is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return raw[raw.rfind(")") + 2 :].split()
+
+
+def _alive(pid: int) -> bool:
+    stat = _stat(pid)
+    return stat is not None and stat[0] != "Z"  # a zombie holds nothing
+
+
+def _survivors(group_ids: set[int], deadline_s: float = 10.0) -> list[int]:
+    """Live processes whose process group or session is one of ``group_ids``."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        found = []
+        for entry in Path("/proc").iterdir():
+            stat = _stat(int(entry.name)) if entry.name.isdigit() else None
+            if stat and stat[0] != "Z" and ({int(stat[2]), int(stat[3])} & group_ids):
+                found.append(int(entry.name))
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)  # SIGKILLed processes disappear within moments
+
+
+def _cfg(tmp_path: Path) -> RunConfig:
+    return RunConfig.model_validate(
+        {"store": {"url": f"sqlite:///{tmp_path / 'log.db'}"}, "model": {"dir": str(tmp_path)}}
+    )
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+@pytest.mark.parametrize("ending", ["killed", "exit"])
+def test_no_process_of_the_worker_survives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ending: str
+) -> None:
+    script = tmp_path / "fake_worker.py"
+    script.write_text(FAKE_WORKER)
+    monkeypatch.setattr(
+        demo, "_worker_argv", lambda _cfg, _rid, _mode: [sys.executable, str(script), ending]
+    )
+    seen: list[dict[str, Any]] = []
+    helper: int | None = None
+    try:
+        out = demo._run_worker(
+            _cfg(tmp_path),
+            "r",
+            "fresh",
+            kill_after_step=2 if ending == "killed" else None,
+            on_message=seen.append,
+        )
+        helper = next(m["pid"] for m in seen if m["event"] == "helper")
+        assert out.killed is (ending == "killed")
+        assert out.pid is not None
+        assert _survivors({out.pid}) == []
+        assert not _alive(helper), f"the worker's helper process {helper} survived"
+    finally:
+        if helper is not None and _alive(helper):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(helper, signal.SIGKILL)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_demo_vllm_leaves_no_engine_process(tmp_path: Path) -> None:
+    """The real demo with the vLLM backend: after it, nothing of either worker runs."""
+    require_vllm()
+    db = f"sqlite:///{tmp_path / 'demo.db'}"
+    proc = rolloutlog(
+        "demo",
+        "--json",
+        "--backend",
+        "vllm",
+        "--steps",
+        "8",
+        "--checkpoint-every",
+        "3",
+        "--workdir",
+        str(tmp_path),
+        "--db",
+        db,
+        timeout=570,  # within the suite's 600 s per-test limit
+    )
+    assert proc.returncode == 0, f"demo failed:\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["ok"] is True
+    pids = set(summary["worker_pids"])
+    assert len(pids) == 2
+    assert _survivors(pids) == [], "processes of the demo's workers outlived them"
