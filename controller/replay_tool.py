@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from rolloutlog.eventstore import EventStore, StoredEvent
+from rolloutlog.eventstore import EventStore
 
 from .domain import decide, evolve, find_violations
 from .domain.commands import (
@@ -44,6 +44,7 @@ from .domain.events import (
 )
 from .domain.state import Phase, RunState
 from .rollout_controller import _check_cursors, iter_history, replay
+from .rollout_index import IndexedEvent, read_where
 
 _ALWAYS_LEADS = {
     "RunStarted",
@@ -70,7 +71,7 @@ _NEVER_LEADS = {
 class Decision:
     """The events one command produced, in log order."""
 
-    rows: list[StoredEvent] = field(default_factory=list)
+    rows: list[IndexedEvent] = field(default_factory=list)
     events: list[RolloutEvent] = field(default_factory=list)
 
     @property
@@ -104,7 +105,7 @@ def _leads(event: RolloutEvent, current: Decision | None) -> bool:
     return True
 
 
-def split_decisions(pairs: Iterable[tuple[StoredEvent, RolloutEvent]]) -> Iterator[Decision]:
+def split_decisions(pairs: Iterable[tuple[IndexedEvent, RolloutEvent]]) -> Iterator[Decision]:
     """Group a history into decisions."""
     current: Decision | None = None
     for row, event in pairs:
@@ -222,15 +223,15 @@ def explain(
     """
     if (group_id is None) == (prompt is None):
         raise ValueError("explain needs exactly one of group_id or prompt")
-    rows: dict[int, StoredEvent] = {}
+    rows: dict[int, IndexedEvent] = {}
     if prompt is not None:
-        for row in store.read_where(run_id, prompt_index=prompt):
+        for row in read_where(store, run_id, prompt_index=prompt):
             rows[row.seq] = row
         groups = {r.group_id for r in rows.values() if r.group_id is not None}
     else:
         groups = {group_id} if group_id is not None else set()
     for gid in groups:
-        for row in store.read_where(run_id, group_id=gid):
+        for row in read_where(store, run_id, group_id=gid):
             rows[row.seq] = row
     segments = store.history_segments(run_id)
     from .domain.events import CODEC
@@ -296,7 +297,7 @@ def check_history(store: EventStore, run_id: str, to_seq: int | None = None) -> 
 
 
 def _violation(
-    store: EventStore, run_id: str, row: StoredEvent, event: RolloutEvent, exc: DomainError
+    store: EventStore, run_id: str, row: IndexedEvent, event: RolloutEvent, exc: DomainError
 ) -> dict[str, Any]:
     groups = tuple(getattr(exc, "groups", ()) or ())
     if not groups and row.group_id is not None:

@@ -50,6 +50,7 @@ from .domain.errors import CursorBehindError, RestoreError, UnknownPayloadError
 from .domain.events import CheckpointMarked, RolloutEvent, SiblingCompleted
 from .domain.invariants import check_invariants
 from .domain.state import RunState
+from .rollout_index import IndexedEvent, attach, encode, read_history_indexed
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +118,10 @@ class ReplayResult:
 
 def iter_history(
     store: EventStore, run_id: str, to_seq: int | None = None, *, from_seq: int = 1
-) -> Iterator[tuple[StoredEvent, RolloutEvent]]:
-    """Decoded events of the run's history (skipping ranges a restore abandoned)."""
-    for row in store.read_history(run_id, to_seq, from_seq=from_seq):
+) -> Iterator[tuple[IndexedEvent, RolloutEvent]]:
+    """Decoded events of the run's history (skipping ranges a restore abandoned), each
+    row with its rollout index keys."""
+    for row in read_history_indexed(store, run_id, to_seq, from_seq=from_seq):
         yield row, CODEC.decode(row)  # type: ignore[misc]
 
 
@@ -185,6 +187,8 @@ class RolloutController:
         self.epoch = epoch
         self.store_config = store_config or StoreConfig()
         self.clock: Clock = clock or (lambda: datetime.now(UTC))
+        # Every append of this controller also writes its events' rollout index rows.
+        attach(store)
         info = store.get_run(self.run_id)
         self.committer = GroupCommitter(
             store,
@@ -238,7 +242,7 @@ class RolloutController:
         events = decide(state, command)
         now = (clock or (lambda: datetime.now(UTC)))()
         rows = [
-            CODEC.encode(
+            encode(
                 ev,
                 recorded_at=now,
                 train_step=state.train_step,
@@ -249,6 +253,7 @@ class RolloutController:
         # Apply before writing: an event the state cannot take is never made durable.
         for i, ev in enumerate(events):
             evolve(state, ev, i + 1)
+        attach(store)  # the first events are indexed in the run's creating transaction
         store.create_run(
             run_id,
             config_fingerprint=fp,
@@ -424,9 +429,7 @@ class RolloutController:
                 self._check_payload(command.payload_id, payload_puts)
             now = self.clock()
             ts, wv = self.state.train_step, self.state.weight_version
-            rows = [
-                CODEC.encode(ev, recorded_at=now, train_step=ts, weight_version=wv) for ev in events
-            ]
+            rows = [encode(ev, recorded_at=now, train_step=ts, weight_version=wv) for ev in events]
             # Only this controller submits to its committer (under this lock), so the
             # offsets it will assign are known before anything is queued.
             first = self.committer.next_seq

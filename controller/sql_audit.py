@@ -1,6 +1,6 @@
 """SQL audit of a stored run: canned queries over the audit views, and a read-only runner.
 
-The views (created by the alembic revision ``0002_audit_views``, documented in
+The views (created by the alembic revision ``0006_rollout_views``, documented in
 ``docs/sql-cookbook.md``) hold each run's *current history* only: events a restore
 abandoned appear in ``abandoned_events`` and nowhere else.
 
@@ -368,11 +368,12 @@ WHERE run_id = :run_id
 ORDER BY seq
 """
 
-# The canned lookups below drive from the events indexes (prompt, group, type + step) and
+# The canned lookups below drive from the rollout_index indexes (prompt, group, type +
+# step; controller/rollout_index.py), join events by primary key for the rest, and
 # keep only rows of the current history (the run's few history_spans), instead of
 # filtering the history_events view, which joins every history row before filtering
 # (docs/benchmarks.md, "Scale": seconds at 10M events; these take < 1 ms). They rely
-# on the store's train_step column of GroupSelected, BatchSelected and StepTrained
+# on the index's train_step of GroupSelected, BatchSelected and StepTrained
 # rows being the step in their payload (the decider only accepts those for the next
 # train step, and the controller stamps each row with the step before applying it).
 _H = "h AS (SELECT first_seq, last_seq FROM history_spans WHERE run_id = :run_id)"
@@ -382,26 +383,31 @@ def _in_history(alias: str) -> str:
     return f"EXISTS (SELECT 1 FROM h WHERE {alias}.seq BETWEEN h.first_seq AND h.last_seq)"
 
 
-_EV_COLS = ", ".join("ev." + c.strip() for c in _EVENT_COLS.split(","))
+_INDEX_KEYS = ("group_id", "prompt_index", "target_step", "train_step", "weight_version")
+_EV_COLS = ", ".join(
+    ("ix." if c.strip() in _INDEX_KEYS else "ev.") + c.strip() for c in _EVENT_COLS.split(",")
+)
 
 Q_PROMPT = f"""
 WITH {_H},
 mine AS (
-    SELECT ev.seq, ev.group_id, ev.type, ev.train_step FROM events ev
-    WHERE ev.run_id = :run_id AND ev.prompt_index = :prompt_index AND {_in_history("ev")}
+    SELECT ix.seq, ix.group_id, ix.type, ix.train_step FROM rollout_index ix
+    WHERE ix.run_id = :run_id AND ix.prompt_index = :prompt_index AND {_in_history("ix")}
 ),
 cand AS (
     SELECT seq FROM mine
     UNION
-    SELECT ev.seq FROM events ev
-    WHERE ev.run_id = :run_id AND ev.group_id IN (SELECT group_id FROM mine)
+    SELECT ix.seq FROM rollout_index ix
+    WHERE ix.run_id = :run_id AND ix.group_id IN (SELECT group_id FROM mine)
     UNION
-    SELECT ev.seq FROM events ev
-    WHERE ev.run_id = :run_id AND ev.type IN ('BatchSelected', 'StepTrained')
-      AND ev.train_step IN (SELECT train_step FROM mine WHERE type = 'GroupSelected')
+    SELECT ix.seq FROM rollout_index ix
+    WHERE ix.run_id = :run_id AND ix.type IN ('BatchSelected', 'StepTrained')
+      AND ix.train_step IN (SELECT train_step FROM mine WHERE type = 'GroupSelected')
 )
 SELECT {_EV_COLS}
-FROM cand c JOIN events ev ON ev.run_id = :run_id AND ev.seq = c.seq
+FROM cand c
+JOIN events ev ON ev.run_id = :run_id AND ev.seq = c.seq
+JOIN rollout_index ix ON ix.run_id = :run_id AND ix.seq = c.seq
 WHERE {_in_history("ev")}
 ORDER BY ev.seq
 """
@@ -429,17 +435,17 @@ def step_query(dialect: str) -> str:
     return f"""
 WITH {_H},
 s AS MATERIALIZED (
-    SELECT ev.seq, ev.recorded_at, ev.group_id, ev.prompt_index, ev.target_step,
+    SELECT ev.seq, ev.recorded_at, ix.group_id, ix.prompt_index, ix.target_step,
            {ts} AS train_step, {_json_int(dialect, "staleness")} AS staleness
-    FROM events ev
-    WHERE ev.run_id = :run_id AND ev.type = 'GroupSelected' AND ev.train_step = :train_step
-      AND {ts} = :train_step AND {_in_history("ev")}
+    FROM rollout_index ix JOIN events ev ON ev.run_id = ix.run_id AND ev.seq = ix.seq
+    WHERE ix.run_id = :run_id AND ix.type = 'GroupSelected' AND ix.train_step = :train_step
+      AND {ts} = :train_step AND {_in_history("ix")}
 ),
 t AS (
     SELECT ev.recorded_at, {_json_int(dialect, "weight_version")} AS weight_version
-    FROM events ev
-    WHERE ev.run_id = :run_id AND ev.type = 'StepTrained' AND ev.train_step = :train_step
-      AND {ts} = :train_step AND {_in_history("ev")}
+    FROM rollout_index ix JOIN events ev ON ev.run_id = ix.run_id AND ev.seq = ix.seq
+    WHERE ix.run_id = :run_id AND ix.type = 'StepTrained' AND ix.train_step = :train_step
+      AND {ts} = :train_step AND {_in_history("ix")}
 ),
 tt AS (SELECT MIN(recorded_at) AS trained_at, MIN(weight_version) AS weight_version FROM t)
 SELECT s.train_step, s.group_id, s.prompt_index, s.target_step, s.staleness,

@@ -1,11 +1,13 @@
 """rolloutlog's generic append-only event log. Knows nothing about rollouts.
 
-SQLite (embedded default) and PostgreSQL backends behind one :class:`EventStore`, a
-:class:`GroupCommitter` for batched durable appends, an :class:`EventCodec` mapping
-typed pydantic events to rows, and one error hierarchy (:mod:`rolloutlog.eventstore.errors`).
+SQLite (embedded default) and PostgreSQL backends behind one :class:`EventStore` and an
+in-memory :class:`MemoryEventStore`, both implementing :class:`EventStoreProtocol`; a
+:class:`GroupCommitter` for batched durable appends; an :class:`EventCodec` mapping typed
+pydantic events to rows; :class:`Indexer` for derived tables an application keeps in step
+with the log; and one error hierarchy (:mod:`rolloutlog.eventstore.errors`).
 """
 
-from .codec import NO_AUDIT_KEYS, AuditKeys, EventCodec, EventModel
+from .codec import EventCodec, EventModel
 from .errors import (
     AppendConflictError,
     CorruptEventError,
@@ -27,15 +29,15 @@ from .errors import (
 )
 from .groupcommit import GroupCommitter
 from .history import history_segments
+from .indexing import Indexer
 from .memory import MemoryEventStore
 from .payloads import decode_arrays, encode_arrays
+from .protocol import EventStoreProtocol
 from .records import NewEvent, PayloadPut, RunInfo, Snapshot, StoredEvent
 from .store import EventStore, normalise_url
 
 __all__ = [
-    "NO_AUDIT_KEYS",
     "AppendConflictError",
-    "AuditKeys",
     "CorruptEventError",
     "CorruptLogError",
     "CorruptPayloadError",
@@ -43,8 +45,10 @@ __all__ = [
     "EventCodec",
     "EventModel",
     "EventStore",
+    "EventStoreProtocol",
     "GroupCommitClosedError",
     "GroupCommitter",
+    "Indexer",
     "LockTimeoutError",
     "MemoryEventStore",
     "NewEvent",

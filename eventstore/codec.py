@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ClassVar, TypeVar
 
@@ -23,8 +22,7 @@ from .records import NewEvent, StoredEvent
 class EventModel(BaseModel):
     """Base of every typed event: frozen, strict about unknown fields, versioned.
 
-    Subclasses set ``event_type`` (the stored type name) and ``schema_version``; they
-    override :meth:`audit_keys` to fill the denormalised audit columns.
+    Subclasses set ``event_type`` (the stored type name) and ``schema_version``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -32,21 +30,6 @@ class EventModel(BaseModel):
     event_type: ClassVar[str] = ""
     schema_version: ClassVar[int] = 1
 
-    def audit_keys(self) -> AuditKeys:
-        """The group / prompt / target step this event is about (for the audit columns)."""
-        return NO_AUDIT_KEYS
-
-
-@dataclass(frozen=True, slots=True)
-class AuditKeys:
-    """Denormalised ids stored in their own indexed columns."""
-
-    group_id: int | None = None
-    prompt_index: int | None = None
-    target_step: int | None = None
-
-
-NO_AUDIT_KEYS = AuditKeys()
 
 E = TypeVar("E", bound=type[EventModel])
 Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
@@ -88,24 +71,18 @@ class EventCodec:
         event: EventModel,
         *,
         recorded_at: datetime,
-        train_step: int | None = None,
-        weight_version: int | None = None,
+        derived: tuple[Any, ...] | None = None,
     ) -> NewEvent:
-        """Turn a typed event into a row ready to append."""
+        """Turn a typed event into a row ready to append.
+
+        ``derived``: values for the store's indexers (opaque here; see
+        :attr:`NewEvent.derived`).
+        """
         cls = type(event)
         if self._types.get(cls.event_type) is not cls:
             raise TypeError(f"event class {cls.__name__} is not registered with this codec")
-        keys = event.audit_keys()
         return NewEvent(
-            type=cls.event_type,
-            schema_version=cls.schema_version,
-            payload=event.model_dump_json(),
-            recorded_at=recorded_at,
-            train_step=train_step,
-            weight_version=weight_version,
-            group_id=keys.group_id,
-            prompt_index=keys.prompt_index,
-            target_step=keys.target_step,
+            cls.event_type, cls.schema_version, event.model_dump_json(), recorded_at, derived
         )
 
     def decode(self, row: StoredEvent) -> EventModel:

@@ -18,6 +18,10 @@ renamed into place), one object per line: a ``compaction`` header, then ``event`
 table (revision 0003); :func:`check_replayable` turns a rebuild that would need removed
 events into a :class:`CompactedHistoryError` that names the compaction.
 
+Derived rows (the tables of the store's indexers, see :mod:`rolloutlog.eventstore.indexing`, plus
+any the caller names in ``derived_tables``) follow their events: the rows of removed
+events are removed in the same transaction and archived as ``derived`` lines.
+
 The store is generic: which payload ids an event or a snapshot refers to is the
 caller's knowledge. Events: :func:`json_payload_refs` (a top-level ``payload_id`` string
 of the JSON payload) by default. Snapshots: ``snapshot_refs``; without it no payload is
@@ -38,6 +42,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from .errors import RunNotFoundError, StoreError
+from .indexing import check_table_name
 from .records import Snapshot, StoredEvent
 from .schema import compactions, events, payloads, runs, snapshots
 from .store import EventStore, _parse_ts
@@ -94,6 +99,8 @@ class CompactionPlan:
     snapshots_removed: list[int] = field(default_factory=list)
     payloads_removed: list[str] = field(default_factory=list)
     payloads_kept: int = 0
+    #: Derived rows removed (would be removed), per derived table.
+    derived_removed: dict[str, int] = field(default_factory=dict)
     archive: str | None = None
     dry_run: bool = False
 
@@ -113,6 +120,8 @@ class Archive:
     events: list[StoredEvent]
     snapshots: list[Snapshot]
     payloads: dict[str, tuple[str, bytes]]  # payload_id -> (kind, data)
+    #: Derived rows (column -> value) of the removed events, per derived table.
+    derived: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
 
 def json_payload_refs(event: StoredEvent) -> Iterable[str]:
@@ -201,14 +210,17 @@ def compact(
     event_refs: EventRefs = json_payload_refs,
     snapshot_refs: SnapshotRefs | None = None,
     verify_snapshot: Callable[[Snapshot], None] | None = None,
+    derived_tables: Sequence[str] = (),
 ) -> CompactionPlan:
     """Compact ``run_id`` up to the newest current-history snapshot ``<= before_offset``.
 
     ``archive``: export the removed rows to this JSONL file first (refused if it exists).
     ``dry_run``: compute and return the plan, change nothing, write no archive.
     ``verify_snapshot``: called on the base snapshot before anything is removed (e.g.
-    decode it); an exception aborts the compaction. See the module docstring for what is
-    removed and kept. Raises :class:`CompactionError` when there is nothing to compact.
+    decode it); an exception aborts the compaction. ``derived_tables``: index tables
+    keyed by ``(run_id, seq)`` whose rows follow their events, besides those of the
+    store's registered indexers. See the module docstring for what is removed and kept.
+    Raises :class:`CompactionError` when there is nothing to compact.
     """
     info = store.get_run(run_id)
     if not 1 <= before_offset <= info.last_seq:
@@ -238,6 +250,10 @@ def compact(
         archive=str(archive_path) if archive_path is not None else None,
         dry_run=dry_run,
     )
+    tables = list(dict.fromkeys([*(ix.table for ix in store.indexers), *derived_tables]))
+    for table in tables:
+        check_table_name(table)
+        plan.derived_removed[table] = _count_derived(store, table, run_id, upto)
     in_history = [(f, min(last, upto)) for f, last in current if f <= upto]
     candidates: set[str] = set()
     for row in store.read(run_id, 1, upto):
@@ -262,6 +278,16 @@ def compact(
     return plan
 
 
+def _count_derived(store: EventStore, table: str, run_id: str, upto: int) -> int:
+    with store.engine.connect() as conn:
+        return int(
+            conn.execute(
+                sa.text(f"SELECT COUNT(*) FROM {table} WHERE run_id = :r AND seq <= :u"),
+                {"r": run_id, "u": upto},
+            ).scalar_one()
+        )
+
+
 def _choose_base(
     store: EventStore, run_id: str, before_offset: int, current: Sequence[tuple[int, int]]
 ) -> Snapshot:
@@ -272,8 +298,8 @@ def _choose_base(
         if snap is None:
             raise CompactionError(
                 f"run {run_id!r} has no snapshot at or before offset {before_offset} in its "
-                "current history: take one first (RolloutController.snapshot_now) or "
-                "compact before a later offset"
+                "current history: take a snapshot of the run first or compact before a "
+                "later offset"
             )
         if any(first <= snap.seq <= last for first, last in current):
             return snap
@@ -376,6 +402,16 @@ def _write_archive(store: EventStore, plan: CompactionPlan, path: Path) -> None:
                 + "\n"
             )
         with store.engine.connect() as conn:
+            for table in plan.derived_removed:
+                res = conn.execute(
+                    sa.text(f"SELECT * FROM {table} WHERE run_id = :r AND seq <= :u ORDER BY seq"),
+                    {"r": run_id, "u": plan.upto_seq},
+                )
+                for r in res.mappings():
+                    out.write(
+                        json.dumps({"kind": "derived", "table": table, "row": dict(r)}, default=str)
+                        + "\n"
+                    )
             for i in range(0, len(plan.payloads_removed), _DELETE_CHUNK):
                 chunk = plan.payloads_removed[i : i + _DELETE_CHUNK]
                 rows = conn.execute(
@@ -441,6 +477,16 @@ def _delete(store: EventStore, plan: CompactionPlan) -> None:
                     f"run {run_id!r}: expected to remove {plan.events_removed} events, found "
                     f"{removed}; rolled back"
                 )
+            for table, count in plan.derived_removed.items():
+                gone = conn.execute(
+                    sa.text(f"DELETE FROM {table} WHERE run_id = :r AND seq <= :u"),
+                    {"r": run_id, "u": plan.upto_seq},
+                ).rowcount
+                if gone != count:
+                    raise CompactionError(
+                        f"run {run_id!r}: expected to remove {count} rows of {table}, found "
+                        f"{gone}; rolled back"
+                    )
             conn.execute(
                 snapshots.delete().where(
                     snapshots.c.run_id == run_id, snapshots.c.seq < plan.snapshot_seq
@@ -482,6 +528,7 @@ def read_archive(path: str | Path) -> Archive:
     evs: list[StoredEvent] = []
     snaps: list[Snapshot] = []
     pays: dict[str, tuple[str, bytes]] = {}
+    derived: dict[str, list[dict[str, Any]]] = {}
     for rec in iter_archive(path):
         kind = rec.pop("kind")
         if kind == "compaction":
@@ -490,7 +537,11 @@ def read_archive(path: str | Path) -> Archive:
             header = rec
         elif kind == "event":
             rec["recorded_at"] = datetime.fromisoformat(rec["recorded_at"])
-            evs.append(StoredEvent(**rec))
+            # Archives written before revision 0005 also carry the rollout audit columns
+            # the events table had then; the event is the rest.
+            evs.append(StoredEvent(**{f: rec[f] for f in StoredEvent._fields}))
+        elif kind == "derived":
+            derived.setdefault(rec["table"], []).append(rec["row"])
         elif kind == "snapshot":
             snaps.append(
                 Snapshot(
@@ -507,4 +558,4 @@ def read_archive(path: str | Path) -> Archive:
             raise CompactionError(f"{path}: unknown archive record kind {kind!r}")
     if header is None:
         raise CompactionError(f"{path} has no compaction header: not a rolloutlog archive")
-    return Archive(header, evs, snaps, pays)
+    return Archive(header, evs, snaps, pays, derived)

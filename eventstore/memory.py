@@ -13,6 +13,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 from .errors import (
     AppendConflictError,
@@ -24,6 +25,7 @@ from .errors import (
     StoreError,
 )
 from .history import history_segments, read_history
+from .indexing import Indexer, check_indexer
 from .records import NewEvent, PayloadPut, RunInfo, Snapshot, StoredEvent
 
 
@@ -34,6 +36,8 @@ class _Run:
     epochs: list[tuple[int, int]] = field(default_factory=list)  # (first_seq, resume_seq)
     snapshots: dict[int, Snapshot] = field(default_factory=dict)
     payloads: dict[str, bytes] = field(default_factory=dict)
+    # Derived rows of each indexer's table, in sequence order.
+    derived: dict[str, list[tuple[Any, ...]]] = field(default_factory=dict)
 
 
 class MemoryEventStore:
@@ -46,6 +50,7 @@ class MemoryEventStore:
         self._runs: dict[str, _Run] = {}
         self._lock = threading.Lock()
         self.url = "memory://"
+        self._indexers: list[Indexer] = []
 
     def close(self) -> None:
         """Nothing to release."""
@@ -175,6 +180,10 @@ class MemoryEventStore:
             raise EpochFencedError(run_id, epoch, info.current_epoch)
         if batch and info.last_seq + 1 != expected_seq:
             raise AppendConflictError(run_id, expected_seq, info.last_seq + 1)
+        # Build the derived rows first: an indexer that fails leaves nothing written.
+        derived = [(ix.table, ix.rows(run_id, expected_seq, batch)) for ix in self._indexers]
+        if any(not isinstance(ev.payload, str) for ev in batch):
+            raise StoreError(f"appending to run {run_id!r}: an event payload is not text")
         for p in payload_puts:
             run.payloads.setdefault(p.payload_id, bytes(p.data))
         for i, ev in enumerate(batch):
@@ -187,13 +196,11 @@ class MemoryEventStore:
                     ev.schema_version,
                     ev.payload,
                     ev.recorded_at.astimezone(UTC),
-                    ev.train_step,
-                    ev.weight_version,
-                    ev.group_id,
-                    ev.prompt_index,
-                    ev.target_step,
                 )
             )
+        if batch:
+            for table, rows in derived:
+                run.derived.setdefault(table, []).extend(rows)
         last = expected_seq + len(batch) - 1 if batch else info.last_seq
         run.info = RunInfo(
             info.run_id,
@@ -217,30 +224,40 @@ class MemoryEventStore:
         *,
         page_size: int = 2000,
     ) -> Iterator[StoredEvent]:
-        """Events ``from_seq..to_seq`` in order (a snapshot of the list at call time).
+        """Events ``from_seq..to_seq`` in order, page by page like the SQL store (events
+        appended between pages are seen).
 
         Checks the log is whole as :meth:`EventStore.read` does (:class:`CorruptLogError`).
+        An unknown run has no events.
         """
         with self._lock:
-            run = self._run(run_id)
+            run = self._runs.get(run_id)
+            if run is None:
+                return
             last = run.info.last_seq
             _check_ends(run_id, run.events, last)
-            upper = last if to_seq is None else min(to_seq, last)
-            lo = bisect.bisect_left(run.events, from_seq, key=lambda e: e.seq)
-            hi = bisect.bisect_right(run.events, upper, key=lambda e: e.seq)
-            chunk = run.events[lo:hi]
         expected = max(1, from_seq)
-        for row in chunk:
-            if row.seq != expected:
-                if row.seq < expected:
+        upper = last if to_seq is None else min(to_seq, last)
+        while expected <= upper:
+            with self._lock:
+                last = run.info.last_seq
+                upper = last if to_seq is None else min(to_seq, last)
+                lo = bisect.bisect_left(run.events, expected, key=lambda e: e.seq)
+                hi = bisect.bisect_right(run.events, upper, key=lambda e: e.seq)
+                chunk = run.events[lo : min(hi, lo + page_size)]
+            for row in chunk:
+                if row.seq != expected:
+                    if row.seq < expected:
+                        raise CorruptLogError(
+                            run_id, row.seq, "duplicate", "the offset is stored twice"
+                        )
                     raise CorruptLogError(
-                        run_id, row.seq, "duplicate", "the offset is stored twice"
+                        run_id, expected, "missing", f"offsets must run from 1 to last_seq = {last}"
                     )
-                raise CorruptLogError(
-                    run_id, expected, "missing", f"offsets must run from 1 to last_seq = {last}"
-                )
-            expected += 1
-            yield row
+                expected += 1
+                yield row
+            if len(chunk) < page_size:
+                break
         if expected <= upper:
             raise CorruptLogError(
                 run_id, expected, "missing", f"offsets must run from 1 to last_seq = {last}"
@@ -266,30 +283,45 @@ class MemoryEventStore:
                         f"offsets must run from 1 to last_seq = {last}",
                     )
 
-    def read_where(
-        self,
-        run_id: str,
-        *,
-        group_id: int | None = None,
-        prompt_index: int | None = None,
-        train_step: int | None = None,
-        target_step: int | None = None,
-    ) -> list[StoredEvent]:
-        """Events of one group / prompt / step, in order."""
+    def add_indexer(self, indexer: Indexer) -> None:
+        """See :meth:`EventStore.add_indexer`."""
         with self._lock:
-            events = list(self._run(run_id).events)
-        return [
-            e
-            for e in events
-            if (group_id is None or e.group_id == group_id)
-            and (prompt_index is None or e.prompt_index == prompt_index)
-            and (train_step is None or e.train_step == train_step)
-            and (target_step is None or e.target_step == target_step)
-        ]
+            if any(ix is indexer for ix in self._indexers):
+                return
+            check_indexer(indexer, self._indexers)
+            self._indexers.append(indexer)
+
+    @property
+    def indexers(self) -> tuple[Indexer, ...]:
+        """The registered indexers, in registration order."""
+        return tuple(self._indexers)
+
+    def derived_rows(
+        self,
+        table: str,
+        run_id: str,
+        from_seq: int = 1,
+        to_seq: int | None = None,
+        **equals: Any,
+    ) -> list[tuple[Any, ...]]:
+        """See :meth:`EventStore.derived_rows`."""
+        with self._lock:
+            indexer = next((ix for ix in self._indexers if ix.table == table), None)
+            if indexer is None:
+                raise StoreError(f"no indexer writes table {table!r}: add_indexer() it first")
+            unknown = sorted(set(equals) - set(indexer.columns))
+            if unknown:
+                raise StoreError(f"table {table!r} has no columns {unknown}")
+            rows = list(self._runs[run_id].derived.get(table, ())) if run_id in self._runs else []
+        hi = 2**62 if to_seq is None else to_seq
+        where = [(indexer.columns.index(c), v) for c, v in equals.items()]
+        return [r for r in rows if from_seq <= r[1] <= hi and all(r[k] == v for k, v in where)]
 
     # ------------------------------------------------------------------ snapshots / payloads
     def save_snapshot(self, run_id: str, seq: int, schema_version: int, data: bytes) -> None:
         """Store a state blob covering ``1..seq``."""
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise StoreError(f"saving a snapshot of run {run_id!r}: data must be bytes")
         with self._lock:
             self._run(run_id).snapshots[seq] = Snapshot(
                 run_id, seq, schema_version, datetime.now(UTC), bytes(data)
@@ -298,7 +330,9 @@ class MemoryEventStore:
     def load_snapshot(self, run_id: str, at_or_before: int | None = None) -> Snapshot | None:
         """The newest snapshot with ``seq <= at_or_before`` (the log checked whole up to it)."""
         with self._lock:
-            snaps = self._run(run_id).snapshots
+            if run_id not in self._runs:
+                return None
+            snaps = self._runs[run_id].snapshots
             keys = sorted(snaps)
             if at_or_before is not None:
                 keys = keys[: bisect.bisect_right(keys, at_or_before)]
@@ -309,13 +343,16 @@ class MemoryEventStore:
 
     def put_payload(self, run_id: str, payload_id: str, kind: str, data: bytes) -> None:
         """Store a payload (idempotent by id)."""
+        if not isinstance(kind, str) or not isinstance(data, bytes | bytearray | memoryview):
+            raise StoreError(f"storing payload {payload_id!r}: kind must be text, data bytes")
         with self._lock:
             self._run(run_id).payloads.setdefault(payload_id, bytes(data))
 
     def get_payload(self, run_id: str, payload_id: str) -> bytes:
         """A payload's bytes."""
         with self._lock:
-            data = self._run(run_id).payloads.get(payload_id)
+            run = self._runs.get(run_id)
+            data = run.payloads.get(payload_id) if run is not None else None
         if data is None:
             raise PayloadNotFoundError(f"no payload {payload_id!r} in run {run_id!r}")
         return data

@@ -8,6 +8,7 @@ which command fixes it.
 from __future__ import annotations
 
 import importlib.resources
+import os
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -35,7 +36,15 @@ def migrations_dir() -> Path:
 def alembic_config(connection: Connection | None = None, url: str | None = None) -> Config:
     """An alembic Config for rolloutlog's migrations, bound to a connection or a URL."""
     cfg = Config()
-    cfg.set_main_option("script_location", str(migrations_dir()))
+    root = migrations_dir()
+    cfg.set_main_option("script_location", str(root))
+    # The log's revisions (versions/) and those of the tables the application keeps
+    # beside it (one chain across the folders; the environment lists them).
+    from rolloutlog import migrations
+
+    locations = [str(p) for p in migrations.version_locations(root)]
+    cfg.set_main_option("path_separator", "os")
+    cfg.set_main_option("version_locations", os.pathsep.join(locations).replace("%", "%%"))
     if url is not None:
         cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     if connection is not None:

@@ -4,26 +4,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 
 @dataclass(frozen=True, slots=True)
 class NewEvent:
-    """An event ready to append: its type, schema version, JSON payload and audit columns.
+    """An event ready to append: its type, schema version, JSON payload and timestamp.
 
     ``payload`` is already-encoded JSON text (the codec produces it); the store never
     re-serialises it, so what is read back is byte-for-byte what was appended.
+
+    ``derived`` is opaque to the store: values that the store's indexers (see
+    :class:`rolloutlog.eventstore.indexing.Indexer`) turn into rows of their own tables, in the
+    append's transaction. It is never stored in the ``events`` table nor read back.
     """
 
     type: str
     schema_version: int
     payload: str
     recorded_at: datetime
-    train_step: int | None = None
-    weight_version: int | None = None
-    group_id: int | None = None
-    prompt_index: int | None = None
-    target_step: int | None = None
+    derived: tuple[Any, ...] | None = None
 
 
 class StoredEvent(NamedTuple):
@@ -40,11 +40,6 @@ class StoredEvent(NamedTuple):
     schema_version: int
     payload: str
     recorded_at: datetime
-    train_step: int | None
-    weight_version: int | None
-    group_id: int | None
-    prompt_index: int | None
-    target_step: int | None
 
 
 @dataclass(frozen=True, slots=True)

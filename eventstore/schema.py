@@ -1,7 +1,9 @@
 """SQLAlchemy Core tables: the single source of truth for the log's schema.
 
-The alembic revisions in ``migrations/`` create exactly these tables; a test compares
-the two. Column names are the ones users see in SQL audit queries.
+The alembic revisions in ``migrations/versions`` create exactly these tables; a test
+compares the two. Column names are the ones users see in SQL audit queries. The log is
+generic: tables that index events by application keys belong to the application (see
+:mod:`rolloutlog.eventstore.indexing`).
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from sqlalchemy import (
     BigInteger,
     Column,
     DateTime,
-    Index,
     Integer,
     LargeBinary,
     MetaData,
@@ -52,21 +53,13 @@ events = Table(
     Column("type", String(64), nullable=False),
     Column("schema_version", Integer, nullable=False),
     Column("recorded_at", DateTime(timezone=True), nullable=False),
-    Column("train_step", BigInteger, nullable=True),
-    Column("weight_version", BigInteger, nullable=True),
-    # Denormalised ids for audit lookups (NULL when the event is not about one group).
-    Column("group_id", BigInteger, nullable=True),
-    Column("prompt_index", BigInteger, nullable=True),
-    Column("target_step", BigInteger, nullable=True),
     Column("payload", Text, nullable=False),
+    # No secondary index: an append updates only the table and its primary key. Lookups
+    # by application keys go through an application's index table, written in the same
+    # transaction by an indexer (see eventstore/indexing.py; revision 0005 moved the
+    # rollout audit columns of revisions 0001-0003 out of this table).
     PrimaryKeyConstraint("run_id", "seq", name="pk_events"),
 )
-Index("ix_events_run_group", events.c.run_id, events.c.group_id)
-Index("ix_events_run_prompt", events.c.run_id, events.c.prompt_index)
-Index("ix_events_run_train_step", events.c.run_id, events.c.train_step)
-Index("ix_events_run_target_step", events.c.run_id, events.c.target_step)
-# "The batch of step t" / "steps a prompt was selected for": index lookups (0003).
-Index("ix_events_run_type_step", events.c.run_id, events.c.type, events.c.train_step)
 
 epochs = Table(
     "epochs",

@@ -40,6 +40,7 @@ from .errors import (
     StoreUrlError,
 )
 from .history import history_segments, read_history
+from .indexing import Indexer, check_indexer
 from .records import NewEvent, PayloadPut, RunInfo, Snapshot, StoredEvent
 from .schema import compactions, epochs, events, payloads, runs, snapshots
 
@@ -52,15 +53,9 @@ SQLITE_SYNCHRONOUS = ("OFF", "NORMAL", "FULL", "EXTRA")
 DEFAULT_SQLITE_SYNCHRONOUS = "FULL"
 DEFAULT_BUSY_TIMEOUT_MS = 30_000
 
-_COLS = (
-    "run_id, seq, epoch, type, schema_version, recorded_at, train_step, weight_version, "
-    "group_id, prompt_index, target_step, payload"
-)
+_COLS = "run_id, seq, epoch, type, schema_version, recorded_at, payload"
 # Read in the field order of StoredEvent, so a page's tuples unpack straight into it.
-_READ_COLS = (
-    "run_id, seq, epoch, type, schema_version, payload, recorded_at, train_step, "
-    "weight_version, group_id, prompt_index, target_step"
-)
+_READ_COLS = "run_id, seq, epoch, type, schema_version, payload, recorded_at"
 
 
 def normalise_url(url: str | URL) -> URL:
@@ -139,8 +134,11 @@ class EventStore:
         # Write transactions carry this option; on SQLite it selects BEGIN IMMEDIATE.
         self._writer = engine.execution_options(rolloutlog_write=True)
         mark = "?" if self._is_sqlite else "%s"
-        marks = ", ".join([mark] * 12)
+        marks = ", ".join([mark] * 7)
         self._insert_sql = f"INSERT INTO events ({_COLS}) VALUES ({marks})"
+        # Indexers whose derived rows each append writes (see add_indexer), with the
+        # INSERT statement of each.
+        self._indexers: list[tuple[Indexer, str]] = []
         self._cas_sql = (
             f"UPDATE runs SET last_seq = {mark} "
             f"WHERE run_id = {mark} AND last_seq = {mark} AND current_epoch = {mark}"
@@ -252,6 +250,7 @@ class EventStore:
                     )
                 if rows:
                     conn.exec_driver_sql(self._insert_sql, rows)
+                    self._insert_derived(conn, run_id, 1, first_events)
         except IntegrityError as exc:
             raise RunExistsError(f"run {run_id!r} already exists") from exc
         return self.get_run(run_id)
@@ -407,7 +406,17 @@ class EventStore:
                     )
                 if rows:
                     conn.exec_driver_sql(self._insert_sql, rows)
+                    self._insert_derived(conn, run_id, expected_seq, batch)
         return last
+
+    def _insert_derived(
+        self, conn: Connection, run_id: str, first_seq: int, batch: Sequence[NewEvent]
+    ) -> None:
+        """Derived rows share the events' transaction: one exists iff the other."""
+        for indexer, index_sql in self._indexers:
+            index_rows = indexer.rows(run_id, first_seq, batch)
+            if index_rows:
+                conn.exec_driver_sql(index_sql, index_rows)
 
     def _event_rows(
         self, run_id: str, batch: Sequence[NewEvent], expected_seq: int, epoch: int
@@ -435,11 +444,6 @@ class EventStore:
                 ev.type,
                 ev.schema_version,
                 iso(ev.recorded_at),
-                ev.train_step,
-                ev.weight_version,
-                ev.group_id,
-                ev.prompt_index,
-                ev.target_step,
                 ev.payload,
             )
             for i, ev in enumerate(batch)
@@ -511,6 +515,28 @@ class EventStore:
             )
         return out
 
+    def add_indexer(self, indexer: Indexer) -> None:
+        """Write ``indexer``'s derived rows in the transaction of every later append.
+
+        The indexer's table belongs to the caller (who creates it by a migration); the
+        store only inserts the rows the indexer builds, and removes them with their
+        events when a run is compacted. Registering the same indexer again is a no-op.
+        """
+        if any(ix is indexer for ix, _ in self._indexers):
+            return
+        check_indexer(indexer, [ix for ix, _ in self._indexers])
+        mark = "?" if self._is_sqlite else "%s"
+        sql = (
+            f"INSERT INTO {indexer.table} ({', '.join(indexer.columns)}) "
+            f"VALUES ({', '.join([mark] * len(indexer.columns))})"
+        )
+        self._indexers.append((indexer, sql))
+
+    @property
+    def indexers(self) -> tuple[Indexer, ...]:
+        """The registered indexers, in registration order."""
+        return tuple(ix for ix, _ in self._indexers)
+
     def _check_epoch(self, conn: Connection, run_id: str, epoch: int) -> None:
         row = conn.execute(sa.select(runs.c.current_epoch).where(runs.c.run_id == run_id)).first()
         if row is None:
@@ -578,24 +604,11 @@ class EventStore:
                     break
                 rows = self._fetch_tuples(conn, self._read_sql, (run_id, nxt, upper, page_size))
             # Columns come in StoredEvent's field order (see _READ_COLS).
-            for run, seq, epoch, type_, version, payload, ts, step, wv, gid, pidx, tstep in rows:
+            for run, seq, epoch, type_, version, payload, ts in rows:
                 if seq != expected:
                     self._raise_gap(run_id, expected, seq, last)
                 expected += 1
-                yield StoredEvent(
-                    run,
-                    seq,
-                    epoch,
-                    type_,
-                    version,
-                    payload,
-                    parse_ts(ts),
-                    step,
-                    wv,
-                    gid,
-                    pidx,
-                    tstep,
-                )
+                yield StoredEvent(run, seq, epoch, type_, version, payload, parse_ts(ts))
             if len(rows) < page_size:
                 break
             nxt = rows[-1][1] + 1
@@ -754,46 +767,36 @@ class EventStore:
         finally:
             result.close()
 
-    def read_where(
+    def derived_rows(
         self,
+        table: str,
         run_id: str,
-        *,
-        group_id: int | None = None,
-        prompt_index: int | None = None,
-        train_step: int | None = None,
-        target_step: int | None = None,
-    ) -> list[StoredEvent]:
-        """Events of one group / prompt / step, through the audit indexes, in order."""
+        from_seq: int = 1,
+        to_seq: int | None = None,
+        **equals: Any,
+    ) -> list[tuple[Any, ...]]:
+        """Rows of a registered indexer's ``table`` for ``run_id`` in ``from_seq..to_seq``
+        whose columns equal ``equals`` (through the table's indexes), in sequence order."""
+        indexer = next((ix for ix, _ in self._indexers if ix.table == table), None)
+        if indexer is None:
+            raise StoreError(f"no indexer writes table {table!r}: add_indexer() it first")
+        unknown = sorted(set(equals) - set(indexer.columns))
+        if unknown:
+            raise StoreError(f"table {table!r} has no columns {unknown}")
         mark = "?" if self._is_sqlite else "%s"
-        conds = [f"run_id = {mark}"]
-        params: list[Any] = [run_id]
-        for col, val in (
-            ("group_id", group_id),
-            ("prompt_index", prompt_index),
-            ("train_step", train_step),
-            ("target_step", target_step),
-        ):
-            if val is not None:
-                conds.append(f"{col} = {mark}")
-                params.append(val)
-        # No ORDER BY: with one, SQLite's planner (no statistics) walks the primary key
-        # (run_id, seq) to skip a sort, i.e. scans the whole run, instead of seeking the
-        # audit index; the rows found are sorted here instead. Plain driver tuples, as in
-        # read(): a step's lookup returns thousands of rows.
-        sql = f"SELECT {_READ_COLS} FROM events WHERE {' AND '.join(conds)}"
-        with self._translate_errors(f"querying run {run_id!r}"), self.engine.connect() as conn:
-            # The ends of the log are checked (cheap); interior gaps need a full read.
-            if self._checked_bounds(conn, run_id) is None:
-                return []
-            rows = self._fetch_tuples(conn, sql, tuple(params))
+        conds = [f"run_id = {mark}", f"seq >= {mark}", f"seq <= {mark}"]
+        params: list[Any] = [run_id, from_seq, to_seq if to_seq is not None else 2**62]
+        for col, val in equals.items():
+            conds.append(f"{col} = {mark}")
+            params.append(val)
+        # No ORDER BY: SQLite's planner (no statistics) would walk the primary key to skip
+        # the sort instead of seeking the index of an equality column; sorted here instead.
+        sql = f"SELECT {', '.join(indexer.columns)} FROM {table} WHERE {' AND '.join(conds)}"
+        with self._translate_errors(f"querying {table} of run {run_id!r}"):
+            with self.engine.connect() as conn:
+                rows = self._fetch_tuples(conn, sql, tuple(params))
         rows.sort(key=lambda r: r[1])
-        parse_ts = _parse_ts
-        return [
-            StoredEvent(
-                run, seq, epoch, type_, version, payload, parse_ts(ts), step, wv, gid, pidx, tstep
-            )
-            for run, seq, epoch, type_, version, payload, ts, step, wv, gid, pidx, tstep in rows
-        ]
+        return [tuple(r) for r in rows]
 
     # ------------------------------------------------------------------ snapshots
     def save_snapshot(self, run_id: str, seq: int, schema_version: int, data: bytes) -> None:

@@ -1,1 +1,18 @@
-"""Alembic environment and revisions for rolloutlog's log schema (SQLite and PostgreSQL)."""
+"""Alembic environment and revisions for rolloutlog's database (SQLite and PostgreSQL).
+
+One chain of revisions in two folders: ``versions/`` holds the log's own (the generic
+event store: runs, events, epochs, payloads, snapshots, compactions), and
+``controller/index_migrations/`` the controller's (the rollout index and the audit views
+over it). Revisions 0001-0003 predate the split and mixed both.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def version_locations(script_dir: Path) -> list[Path]:
+    """The folders holding the revisions of the environment at ``script_dir``."""
+    import rolloutlog.controller.index_migrations as controller_revisions
+
+    return [script_dir / "versions", Path(controller_revisions.__file__).resolve().parent]

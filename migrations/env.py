@@ -5,10 +5,12 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import context
 
+from rolloutlog.controller.rollout_index import metadata as index_metadata
 from rolloutlog.eventstore.schema import metadata
 
 config = context.config
-target_metadata = metadata
+# The log's tables and the controller's index (see migrations/__init__.py).
+target_metadata = [metadata, index_metadata]
 
 
 def run_migrations_offline() -> None:

@@ -15,9 +15,15 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy.engine import Connection, Engine
 
+from rolloutlog.controller.rollout_index import metadata as index_metadata
 from rolloutlog.eventstore import EventStore, NewEvent, SchemaMismatchError, migrate
-from rolloutlog.eventstore.schema import metadata
+from rolloutlog.eventstore.schema import metadata as store_metadata
 
+# The log's tables and the controller's index: one chain of revisions creates both.
+metadata = sa.MetaData(naming_convention=dict(store_metadata.naming_convention))
+for _md in (store_metadata, index_metadata):
+    for _table in _md.sorted_tables:
+        _table.to_metadata(metadata)
 OWN_TABLES = set(metadata.tables)
 FUTURE_REVISION = "ffff_next_for_tests"
 
@@ -172,14 +178,15 @@ def _mutated(kind: str) -> sa.MetaData:
     for table in metadata.sorted_tables:
         table.to_metadata(md)
     events = md.tables["events"]
+    index = md.tables["rollout_index"]
     if kind == "bigint_to_int":
         events.c.seq.type = sa.Integer()
     elif kind == "string_length":
         events.c.type.type = sa.String(32)
     elif kind == "nullable":
-        events.c.train_step.nullable = False
+        index.c.train_step.nullable = False
     elif kind == "missing_index":
-        events.indexes.discard(next(ix for ix in events.indexes if ix.name))
+        index.indexes.discard(next(ix for ix in index.indexes if ix.name))
     elif kind == "blob_to_text":
         md.tables["payloads"].c.data.type = sa.Text()
     elif kind == "extra_column":
@@ -246,3 +253,107 @@ def test_open_refuses_foreign_tables_without_revision(engine: Engine, db_url: st
     with pytest.raises(SchemaMismatchError, match="not created by rolloutlog"):
         EventStore.open(db_url)
     assert revision_of(engine) is None
+
+
+# ---------------------------------------------------------------- upgrade from 0003
+_LEGACY_COLS = "run_id, seq, epoch, type, schema_version, recorded_at, train_step, " \
+    "weight_version, group_id, prompt_index, target_step, payload"  # fmt: skip
+
+
+def test_upgrade_from_0003_moves_the_audit_keys_into_the_rollout_index(
+    engine: Engine, db_url: str
+) -> None:
+    """A database written at revision 0003 (audit keys in events columns) upgrades to head:
+    the keys are backfilled into rollout_index, the columns and their indexes are gone, the
+    views read the keys from the index, and the controller's lookups find them."""
+    from rolloutlog.controller.rollout_index import read_where
+
+    migrate.upgrade(engine, "0003_compactions")
+    now = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+    legacy = [
+        # seq, type, train_step, weight_version, group_id, prompt_index, target_step
+        (1, "RunStarted", 0, 0, None, None, None),
+        (2, "GroupAdmitted", 0, 0, 7, 70, 1),
+        (3, "SiblingDispatched", 0, 0, 7, None, None),
+        (4, "GroupSelected", 1, 1, 7, 70, 1),
+        (5, "Foreign", None, None, None, None, None),  # no keys at all: no index row
+    ]
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO runs (run_id, created_at, config_fingerprint, config_json, "
+                "current_epoch, last_seq) VALUES ('r', :t, '', '{}', 1, 5)"
+            ),
+            {"t": now},
+        )
+        conn.execute(
+            sa.text(
+                "INSERT INTO epochs (run_id, epoch, opened_at, resume_seq, first_seq) "
+                "VALUES ('r', 1, :t, 0, 1)"
+            ),
+            {"t": now},
+        )
+        for seq, typ, step, wv, gid, pidx, tstep in legacy:
+            conn.execute(
+                sa.text(
+                    f"INSERT INTO events ({_LEGACY_COLS}) VALUES ('r', :seq, 1, :typ, 1, :t, "
+                    ":step, :wv, :gid, :pidx, :tstep, :payload)"
+                ),
+                {
+                    "seq": seq,
+                    "typ": typ,
+                    "t": now,
+                    "step": step,
+                    "wv": wv,
+                    "gid": gid,
+                    "pidx": pidx,
+                    "tstep": tstep,
+                    "payload": f'{{"seq": {seq}, "train_step": {step or 0}}}',
+                },
+            )
+    assert "history_events" in views_of(engine)
+
+    migrate.upgrade(engine)
+    assert revision_of(engine) == migrate.head_revision()
+    with engine.connect() as conn:
+        cols = {c["name"] for c in sa.inspect(conn).get_columns("events")}
+        assert cols == {c.name for c in store_metadata.tables["events"].columns}
+        assert _reflected_indexes(conn, "events") == {}
+        index_rows = conn.execute(
+            sa.text(
+                "SELECT seq, type, train_step, weight_version, group_id, prompt_index, "
+                "target_step FROM rollout_index WHERE run_id = 'r' ORDER BY seq"
+            )
+        ).all()
+        assert [tuple(r) for r in index_rows] == [row for row in legacy if row[0] != 5]
+        viewed = conn.execute(
+            sa.text(
+                "SELECT seq, type, train_step, weight_version, group_id, prompt_index, "
+                "target_step FROM history_events WHERE run_id = 'r' ORDER BY seq"
+            )
+        ).all()
+        assert [tuple(r) for r in viewed] == legacy
+        batch = conn.execute(
+            sa.text("SELECT group_id, prompt_index FROM step_batches WHERE run_id = 'r'")
+        ).all()
+        assert [tuple(r) for r in batch] == [(7, 70)]
+    with EventStore.open(db_url, create=False) as store:
+        assert next(e.payload for e in store.read("r")) == '{"seq": 1, "train_step": 0}'
+        got = read_where(store, "r", group_id=7)
+        assert [(e.seq, e.train_step, e.prompt_index) for e in got] == [
+            (2, 0, 70),
+            (3, 0, None),
+            (4, 1, 70),
+        ]
+
+    # And back: the keys return to the events columns and the legacy views work again.
+    migrate.downgrade(engine, "0003_compactions")
+    with engine.connect() as conn:
+        assert "rollout_index" not in tables_of(engine)
+        back = conn.execute(
+            sa.text(
+                "SELECT seq, type, train_step, weight_version, group_id, prompt_index, "
+                "target_step FROM history_events WHERE run_id = 'r' ORDER BY seq"
+            )
+        ).all()
+        assert [tuple(r) for r in back] == legacy

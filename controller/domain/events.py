@@ -7,15 +7,33 @@ code. All events are registered with :data:`CODEC`, the mapper to stored rows.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from rolloutlog.eventstore import AuditKeys, EventCodec, EventModel
+from rolloutlog.eventstore import EventCodec, EventModel
 
 CODEC = EventCodec()
 
 
+@dataclass(frozen=True, slots=True)
+class AuditKeys:
+    """The group / prompt / target step an event is about (kept in the rollout index,
+    ``controller/rollout_index.py``, for audit lookups)."""
+
+    group_id: int | None = None
+    prompt_index: int | None = None
+    target_step: int | None = None
+
+
+NO_AUDIT_KEYS = AuditKeys()
+
+
 class RolloutEvent(EventModel):
     """Base of the rollout events (registered with :data:`CODEC`)."""
+
+    def audit_keys(self) -> AuditKeys:
+        """The group / prompt / target step this event is about (for the rollout index)."""
+        return NO_AUDIT_KEYS
 
 
 @CODEC.register

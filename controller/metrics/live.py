@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from rolloutlog.eventstore import EventStore, StoreError
 
 from ..domain.events import CODEC, CheckpointMarked, RolloutEvent
+from ..rollout_index import read_indexed
 from .projection import METRICS, EventMeta, Family, Histogram, MetricsProjection, Sample
 
 if TYPE_CHECKING:
@@ -164,7 +165,7 @@ class ProjectionFollower:
             if last < start:
                 continue
             chunk = []
-            for row in store.read(run_id, max(first, start), last):
+            for row in read_indexed(store, run_id, max(first, start), last):
                 chunk.append((row, CODEC.decode(row)))
                 if len(chunk) >= 1000:
                     folded += self._fold(chunk)

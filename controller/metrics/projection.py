@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
-from rolloutlog.eventstore import EventStore, StoredEvent
+from rolloutlog.eventstore import EventStore
 
 from ..domain.events import (
     CODEC,
@@ -49,6 +49,7 @@ from ..domain.events import (
     StepTrained,
     WeightsPublished,
 )
+from ..rollout_index import IndexedEvent
 
 MetricKind = Literal["counter", "gauge", "histogram"]
 
@@ -229,8 +230,8 @@ class EventMeta:
     epoch: int
 
     @classmethod
-    def of_row(cls, row: StoredEvent) -> EventMeta:
-        """The metadata of a stored row."""
+    def of_row(cls, row: IndexedEvent) -> EventMeta:
+        """The metadata of a stored row with its rollout index keys."""
         return cls(row.recorded_at, row.train_step, row.weight_version, row.epoch)
 
 
@@ -485,7 +486,7 @@ class MetricsProjection:
         if handler is not None:
             handler(self, offset, meta, event)
 
-    def apply_row(self, row: StoredEvent, event: RolloutEvent | None = None) -> None:
+    def apply_row(self, row: IndexedEvent, event: RolloutEvent | None = None) -> None:
         """Fold a stored row (decoded here unless ``event`` is given)."""
         if event is None:
             event = CODEC.decode(row)  # type: ignore[assignment]
@@ -915,7 +916,7 @@ _HANDLERS: dict[type, _Handler] = {
 
 
 def fold_rows(
-    rows: Iterable[tuple[StoredEvent, RolloutEvent]],
+    rows: Iterable[tuple[IndexedEvent, RolloutEvent]],
     projection: MetricsProjection | None = None,
 ) -> MetricsProjection:
     """Fold decoded rows (as :func:`rolloutlog.controller.rollout_controller.iter_history` yields

@@ -55,7 +55,6 @@ from typing import Any
 
 from rolloutlog.controller.config import RolloutConfig, StoreConfig
 from rolloutlog.controller.domain import (
-    CODEC,
     AdmitStep,
     CompleteSibling,
     DispatchSiblings,
@@ -81,6 +80,7 @@ from rolloutlog.controller.rollout_controller import (
     replay,
     run_fingerprint,
 )
+from rolloutlog.controller.rollout_index import attach, encode
 from rolloutlog.eventstore import EventStore, NewEvent
 
 #: The issue's targets: (comparison, bound) per ratio.
@@ -363,6 +363,7 @@ class RunDriver:
                     }
                 ),
             )
+            attach(self.store)  # the rollout index, as a controller writes it
             self._writer = _BatchWriter(self.store, self.run_id, epoch=1)
         self.execute(
             StartRun(
@@ -385,7 +386,7 @@ class RunDriver:
             ts, wv = state.train_step, state.weight_version
             rows = self._rows
             for ev in events:
-                rows.append(CODEC.encode(ev, recorded_at=now, train_step=ts, weight_version=wv))
+                rows.append(encode(ev, recorded_at=now, train_step=ts, weight_version=wv))
                 evolve(state, ev, state.last_seq + 1)
             if len(rows) >= self.batch_rows:
                 self._ship()

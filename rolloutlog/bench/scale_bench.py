@@ -6,7 +6,8 @@ steps, snapshots every 50k events): a baseline of 100k events and a large one of
 ``--events`` (default 10M). On each, in the same process:
 
 * **audit lookups** (SQLite): median of many random lookups of a prompt's history
-  (:meth:`EventStore.read_where` ``prompt_index=`` and :meth:`SqlAudit.prompt_history`)
+  (:func:`rolloutlog.controller.rollout_index.read_where` ``prompt_index=`` and
+  :meth:`SqlAudit.prompt_history`)
   and of a step's batch (``read_where(train_step=)`` and :meth:`SqlAudit.step_batch`).
   The view-based queries those canned queries replaced (``Q_PROMPT_VIEW``,
   ``Q_STEP_VIEW``: the ``history_events`` / ``step_batches`` views filtered by prompt or
@@ -39,6 +40,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from rolloutlog.controller.rollout_controller import replay
+from rolloutlog.controller.rollout_index import attach, read_indexed, read_where
 from rolloutlog.controller.sql_audit import Q_PROMPT_VIEW, Q_STEP_VIEW, SqlAudit
 from rolloutlog.eventstore import EventStore, NewEvent, migrate
 
@@ -131,9 +133,9 @@ def time_lookups(
     try:
         for p, s in zip(prompts, steps, strict=True):
             for name, call in (
-                ("read_where_prompt", lambda p=p: store.read_where(log.run_id, prompt_index=p)),
+                ("read_where_prompt", lambda p=p: read_where(store, log.run_id, prompt_index=p)),
                 ("sql_prompt_history", lambda p=p: audit.prompt_history(log.run_id, p).rows),
-                ("read_where_step", lambda s=s: store.read_where(log.run_id, train_step=s)),
+                ("read_where_step", lambda s=s: read_where(store, log.run_id, train_step=s)),
                 ("sql_step_batch", lambda s=s: audit.step_batch(log.run_id, s).rows),
             ):
                 t0 = time.perf_counter()
@@ -165,33 +167,30 @@ def _append_source(log: GeneratedLog, window: int) -> list[NewEvent]:
     """``window`` realistic events (the start of ``log``'s run) as new events."""
     store = EventStore.open(log.url)
     try:
+        # The controller's derived keys, as rollout_index.encode attaches them.
         return [
             NewEvent(
                 r.type,
                 r.schema_version,
                 r.payload,
                 r.recorded_at,
-                r.train_step,
-                r.weight_version,
-                r.group_id,
-                r.prompt_index,
-                r.target_step,
+                (r.group_id, r.prompt_index, r.target_step, r.train_step, r.weight_version),
             )
-            for r in store.read(log.run_id, 1, window)
+            for r in read_indexed(store, log.run_id, 1, window)
         ]
     finally:
         store.close()
 
 
 def _shifted(events: list[NewEvent], group_shift: int, prompt_shift: int) -> list[NewEvent]:
-    return [
-        replace(
-            e,
-            group_id=None if e.group_id is None else e.group_id + group_shift,
-            prompt_index=None if e.prompt_index is None else e.prompt_index + prompt_shift,
-        )
-        for e in events
-    ]
+    out = []
+    for e in events:
+        assert e.derived is not None
+        gid, pidx, *rest = e.derived
+        gid = None if gid is None else gid + group_shift
+        pidx = None if pidx is None else pidx + prompt_shift
+        out.append(replace(e, derived=(gid, pidx, *rest)))
+    return out
 
 
 def time_appends(
@@ -199,6 +198,8 @@ def time_appends(
 ) -> dict[str, dict[str, Any]]:
     """Append ``source`` to the end of each log, batch by batch, alternating logs."""
     stores = {label: EventStore.open(log.url) for label, log in logs.items()}
+    for store in stores.values():
+        attach(store)
     plans: dict[str, list[NewEvent]] = {}
     state: dict[str, list[int]] = {}
     busy: dict[str, list[float]] = {label: [] for label in logs}
@@ -207,7 +208,7 @@ def time_appends(
             store = stores[label]
             with store.engine.connect() as conn:
                 gmax, pmax = conn.exec_driver_sql(
-                    "SELECT MAX(group_id), MAX(prompt_index) FROM events WHERE run_id = ?",
+                    "SELECT MAX(group_id), MAX(prompt_index) FROM rollout_index WHERE run_id = ?",
                     (log.run_id,),
                 ).one()
             plans[label] = _shifted(source, (gmax or 0) + 1, (pmax or 0) + 1)

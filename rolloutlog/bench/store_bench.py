@@ -52,6 +52,8 @@ from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.schema import CreateIndex, CreateTable
 
 from rolloutlog.controller.domain.events import CODEC, SiblingCompleted, SiblingDispatched
+from rolloutlog.controller.rollout_index import attach
+from rolloutlog.controller.rollout_index import rollout_index as rollout_index_table
 from rolloutlog.eventstore import EventCodec, EventModel, EventStore, GroupCommitter
 from rolloutlog.eventstore.schema import events as events_table
 from rolloutlog.eventstore.store import DEFAULT_SQLITE_SYNCHRONOUS
@@ -270,17 +272,17 @@ def _file_bytes(path: Path) -> int:
 
 # ---------------------------------------------------------------------------- raw sqlite3
 def _events_ddl() -> list[str]:
-    """rolloutlog's events table and indexes, compiled for SQLite."""
+    """rolloutlog's events table and the controller's rollout index, compiled for SQLite."""
     dialect = sqlite_dialect.dialect()
-    ddl = [str(CreateTable(events_table).compile(dialect=dialect))]
-    ddl += [str(CreateIndex(ix).compile(dialect=dialect)) for ix in events_table.indexes]
+    ddl = []
+    for table in (events_table, rollout_index_table):
+        ddl.append(str(CreateTable(table).compile(dialect=dialect)))
+        ddl += [str(CreateIndex(ix).compile(dialect=dialect)) for ix in table.indexes]
     return ddl
 
 
-_COLS = (
-    "run_id, seq, epoch, type, schema_version, recorded_at, train_step, weight_version, "
-    "group_id, prompt_index, target_step, payload"
-)
+_COLS = "run_id, seq, epoch, type, schema_version, recorded_at, payload"
+_INDEX_COLS = "run_id, seq, type, group_id, prompt_index, target_step, train_step, weight_version"
 _TYPE_NAMES = (SiblingDispatched.event_type, SiblingCompleted.event_type)
 
 
@@ -297,7 +299,8 @@ def bench_raw_sqlite(
         settings = _sqlite_settings(conn)
         dicts = [payload_dict(s) for s in specs]
         dumps = json.JSONEncoder(separators=(",", ":")).encode
-        insert = f"INSERT INTO events ({_COLS}) VALUES ({', '.join(['?'] * 12)})"
+        insert = f"INSERT INTO events ({_COLS}) VALUES ({', '.join(['?'] * 7)})"
+        insert_index = f"INSERT INTO rollout_index ({_INDEX_COLS}) VALUES ({', '.join(['?'] * 8)})"
         n = len(specs)
         with _Stopwatch() as append_clock:
             for start in range(0, n, batch):
@@ -309,19 +312,19 @@ def bench_raw_sqlite(
                         _TYPE_NAMES[s.completed],
                         1,
                         s.recorded_at.isoformat(" ", "microseconds")[:26],
-                        s.train_step,
-                        s.weight_version,
-                        s.group_id,
-                        s.prompt_index,
-                        s.target_step,
                         dumps(d),
                     )
                     for j, (s, d) in enumerate(
                         zip(specs[start : start + batch], dicts[start : start + batch], strict=True)
                     )
                 ]
+                index_rows = [
+                    (RUN_ID, start + j + 1, _TYPE_NAMES[s.completed], *_index_keys(s))
+                    for j, s in enumerate(specs[start : start + batch])
+                ]
                 conn.execute("BEGIN IMMEDIATE")
                 conn.executemany(insert, rows)
+                conn.executemany(insert_index, index_rows)
                 conn.execute("COMMIT")
         payload_bytes = conn.execute("SELECT SUM(LENGTH(payload)) FROM events").fetchone()[0]
 
@@ -333,7 +336,7 @@ def bench_raw_sqlite(
             for row in conn.execute(
                 f"SELECT {_COLS} FROM events WHERE run_id = ? ORDER BY seq", (RUN_ID,)
             ):
-                last = loads(row[11])
+                last = loads(row[6])
                 if first is None:
                     first = last
                 count += 1
@@ -454,6 +457,11 @@ def bench_eventsourcing(
 
 
 # ---------------------------------------------------------------------------- rolloutlog
+def _index_keys(s: Spec) -> tuple[int, int, int, int, int]:
+    """The rollout index keys of ``s`` (what the controller's encode attaches)."""
+    return (s.group_id, s.prompt_index, s.target_step, s.train_step, s.weight_version)
+
+
 def _append_batches(
     store: EventStore,
     codec: EventCodec,
@@ -468,12 +476,7 @@ def _append_batches(
     seq = first_seq
     for start in range(0, len(models), batch):
         rows = [
-            encode(
-                m,
-                recorded_at=s.recorded_at,
-                train_step=s.train_step,
-                weight_version=s.weight_version,
-            )
+            encode(m, recorded_at=s.recorded_at, derived=_index_keys(s))
             for m, s in zip(
                 models[start : start + batch], specs[start : start + batch], strict=True
             )
@@ -489,6 +492,7 @@ def bench_rolloutlog(path: Path, specs: Sequence[Spec], *, batch: int, page_size
     n = len(models)
     with EventStore.open(f"sqlite:///{path}") as store:
         store.create_run(RUN_ID)
+        attach(store)  # the audit keys go to the rollout index, as in a run
         with store.engine.connect() as conn:
             settings = _sqlite_settings(conn.connection.dbapi_connection)  # type: ignore[arg-type]
         with _Stopwatch() as append_clock:
@@ -532,18 +536,14 @@ def bench_group_commit(
     n = len(models)
     with EventStore.open(f"sqlite:///{path}") as store:
         store.create_run(RUN_ID)
+        attach(store)
         committer = GroupCommitter(store, RUN_ID, epoch=1, next_seq=1, max_batch=batch)
         try:
             with _Stopwatch() as append_clock:
                 for start in range(0, n, submit_size):
                     committer.submit(
                         [
-                            encode(
-                                m,
-                                recorded_at=s.recorded_at,
-                                train_step=s.train_step,
-                                weight_version=s.weight_version,
-                            )
+                            encode(m, recorded_at=s.recorded_at, derived=_index_keys(s))
                             for m, s in zip(
                                 models[start : start + submit_size],
                                 specs[start : start + submit_size],
@@ -779,6 +779,7 @@ def run_scale_benchmark(
             for label, n in zip(labels, sizes, strict=True):
                 store = stores[label]
                 store.create_run(RUN_ID)
+                attach(store)
                 rates: list[float] = []
                 t_fill = time.perf_counter()
                 for start in range(0, n, chunk):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from rolloutlog.controller.rollout_index import TABLE as ROLLOUT_INDEX_TABLE
 from rolloutlog.eventstore import Snapshot, StoreError
 from rolloutlog.eventstore.compaction import CompactionPlan
 from rolloutlog.eventstore.compaction import compact as compact_run
@@ -112,6 +113,7 @@ def compact(
                 dry_run=dry_run,
                 snapshot_refs=rollout_snapshot_refs,
                 verify_snapshot=verify_rollout_snapshot,
+                derived_tables=(ROLLOUT_INDEX_TABLE,),
             )
         except StoreError as exc:
             raise click.ClickException(str(exc)) from exc

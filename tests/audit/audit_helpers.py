@@ -27,8 +27,9 @@ from rolloutlog.controller.domain.commands import (
 from rolloutlog.controller.domain.state import RunState, SiblingStatus
 from rolloutlog.controller.prompt_ledger import PromptLedger
 from rolloutlog.controller.rollout_controller import RolloutController
+from rolloutlog.controller.rollout_index import IndexedEvent
 from rolloutlog.controller.sql_audit import SqlAudit
-from rolloutlog.eventstore import EventStore, StoredEvent
+from rolloutlog.eventstore import EventStore
 
 RUN_ID = "audit-run"
 DATASET_SIZE = 60
@@ -197,8 +198,8 @@ class BuiltRun:
     run: AuditRun
     ledger: PromptLedger
     state: RunState
-    history: list[StoredEvent]
-    all_rows: list[StoredEvent]
+    history: list[IndexedEvent]
+    all_rows: list[IndexedEvent]
     segments: list[tuple[int, int]]
     audit: SqlAudit
 

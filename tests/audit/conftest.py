@@ -18,6 +18,7 @@ import sqlalchemy as sa
 
 from rolloutlog.controller.prompt_ledger import build_ledger
 from rolloutlog.controller.rollout_controller import replay
+from rolloutlog.controller.rollout_index import read_history_indexed, read_indexed
 from rolloutlog.controller.sql_audit import SqlAudit
 from rolloutlog.eventstore import EventStore
 
@@ -63,8 +64,8 @@ def audit_run(audit_url: str) -> Iterator[BuiltRun]:
             run=run,
             ledger=build_ledger(store, run.run_id),
             state=replay(store, run.run_id, use_snapshots=False).state,
-            history=list(store.read_history(run.run_id)),
-            all_rows=list(store.read(run.run_id)),
+            history=list(read_history_indexed(store, run.run_id)),
+            all_rows=list(read_indexed(store, run.run_id)),
             segments=store.history_segments(run.run_id),
             audit=SqlAudit(audit_url, allow_privileged_role=True),
         )

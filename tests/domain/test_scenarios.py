@@ -30,7 +30,6 @@ from domain_helpers import (
 
 from rolloutlog.controller.config import RolloutConfig
 from rolloutlog.controller.domain import (
-    CODEC,
     AdmitStep,
     Phase,
     PublishWeights,
@@ -43,6 +42,7 @@ from rolloutlog.controller.domain.errors import CursorBehindError, RestoreError,
 from rolloutlog.controller.domain.events import CheckpointMarked
 from rolloutlog.controller.domain.state import Loan
 from rolloutlog.controller.rollout_controller import RolloutController, iter_history
+from rolloutlog.controller.rollout_index import encode
 from rolloutlog.eventstore import EpochFencedError, EventStore, GroupCommitClosedError
 
 
@@ -182,7 +182,7 @@ def test_b_a_checkpoint_with_a_stale_cursor_is_refused(store: EventStore, field:
     cursors = {"dispatch_cursor": state.dispatch_cursor, "dataset_cursor": state.dataset_cursor}
     cursors[field] = 1 if field == "dispatch_cursor" else 3
     forged = CheckpointMarked(train_step=0, weight_version=0, **cursors)
-    row = CODEC.encode(forged, recorded_at=datetime.now(UTC), train_step=0, weight_version=0)
+    row = encode(forged, recorded_at=datetime.now(UTC), train_step=0, weight_version=0)
     offset = store.append("run", [row], expected_seq=info.last_seq + 1, epoch=info.current_epoch)
     before = store.get_run("run")
     with pytest.raises(CursorBehindError) as exc:

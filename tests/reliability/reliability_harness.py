@@ -15,6 +15,7 @@ from rolloutlog.controller.config import RolloutConfig, StoreConfig
 from rolloutlog.controller.domain.invariants import find_violations
 from rolloutlog.controller.prompt_ledger import build_ledger, cross_check
 from rolloutlog.controller.rollout_controller import RolloutController, replay
+from rolloutlog.controller.rollout_index import read_indexed
 from rolloutlog.controller.rollout_runtime import GenerationConfig, RolloutRuntime
 from rolloutlog.eventstore import MemoryEventStore, NewEvent
 
@@ -109,13 +110,9 @@ def copy_prefix(source: Any, run_id: str, k: int) -> MemoryEventStore:
             r.schema_version,
             r.payload,
             r.recorded_at,
-            r.train_step,
-            r.weight_version,
-            r.group_id,
-            r.prompt_index,
-            r.target_step,
+            (r.group_id, r.prompt_index, r.target_step, r.train_step, r.weight_version),
         )
-        for r in source.read(run_id, 1, k)
+        for r in read_indexed(source, run_id, 1, k)
     ]
     target.append(run_id, rows, expected_seq=1, epoch=1)
     # Payloads referenced by completions are needed to assemble batches after restore.

@@ -119,7 +119,7 @@ def stored_rows(draw: st.DrawFn) -> StoredEvent:
         | st.sampled_from(["", "{", "[]", "null", '"\\ud800"', '{"a":' * 5000, "[" * 5000])
     )
     seq = draw(st.integers(1, 10**9))
-    return StoredEvent("r", seq, 1, event_type, version, payload, TS, None, None, None, None, None)
+    return StoredEvent("r", seq, 1, event_type, version, payload, TS)
 
 
 def _assert_decodes_or_names_offset(codec: EventCodec, row: StoredEvent) -> None:
@@ -181,7 +181,7 @@ def _v2_to_v3(data: dict[str, Any]) -> dict[str, Any]:
 def test_upcasting_decode_returns_an_event_or_a_store_error(
     version: int, payload: str, seq: int
 ) -> None:
-    row = StoredEvent("r", seq, 1, "Fuzzed", version, payload, TS, None, None, None, None, None)
+    row = StoredEvent("r", seq, 1, "Fuzzed", version, payload, TS)
     _assert_decodes_or_names_offset(_UPCODEC, row)
 
 

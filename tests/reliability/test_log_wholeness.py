@@ -20,10 +20,7 @@ from rolloutlog.controller.rollout_controller import RolloutController, replay
 from rolloutlog.eventstore import CorruptLogError, EventStore, MemoryEventStore
 from rolloutlog.eventstore.compaction import compact
 
-_COLS = (
-    "run_id, seq, epoch, type, schema_version, recorded_at, train_step, weight_version, "
-    "group_id, prompt_index, target_step, payload"
-)
+_COLS = "run_id, seq, epoch, type, schema_version, recorded_at, payload"
 
 
 @pytest.fixture
@@ -120,7 +117,7 @@ def test_an_extra_row_beyond_last_seq_is_reported(logged: str) -> None:
     _sql(
         logged,
         f"INSERT INTO events ({_COLS}) SELECT run_id, seq + 2, epoch, type, schema_version, "
-        "recorded_at, train_step, weight_version, group_id, prompt_index, target_step, payload "
+        "recorded_at, payload "
         "FROM events WHERE run_id = 'r' AND seq = :s",
         s=last,
     )
@@ -189,7 +186,7 @@ def test_a_row_below_the_compaction_base_is_extra(logged: str) -> None:
         _sql(
             logged,
             f"INSERT INTO events ({_COLS}) SELECT run_id, 1, epoch, type, schema_version, "
-            "recorded_at, train_step, weight_version, group_id, prompt_index, target_step, "
+            "recorded_at, "
             "payload FROM events WHERE run_id = 'r' AND seq = :s",
             s=base,
         )

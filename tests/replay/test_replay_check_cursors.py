@@ -13,10 +13,11 @@ from click.testing import CliRunner
 from rolloutlog.cli import main
 from rolloutlog.controller import replay_tool as rt
 from rolloutlog.controller.config import RolloutConfig, StoreConfig
-from rolloutlog.controller.domain import CODEC, AdmitStep
+from rolloutlog.controller.domain import AdmitStep
 from rolloutlog.controller.domain.errors import CursorBehindError, RestoreError
 from rolloutlog.controller.domain.events import CheckpointMarked
 from rolloutlog.controller.rollout_controller import RolloutController
+from rolloutlog.controller.rollout_index import encode
 from rolloutlog.eventstore import EventStore
 
 CFG = RolloutConfig(group_size=2, groups_per_step=2, lookahead=2, spare_pool_size=1)
@@ -41,7 +42,7 @@ def _log_with_a_stale_checkpoint(url: str, field: str) -> int:
     cursors = {"dispatch_cursor": state.dispatch_cursor, "dataset_cursor": state.dataset_cursor}
     cursors[field] = 1 if field == "dispatch_cursor" else 3
     forged = CheckpointMarked(train_step=0, weight_version=0, **cursors)
-    row = CODEC.encode(forged, recorded_at=datetime.now(UTC), train_step=0, weight_version=0)
+    row = encode(forged, recorded_at=datetime.now(UTC), train_step=0, weight_version=0)
     info = store.get_run("r")
     offset = store.append("r", [row], expected_seq=info.last_seq + 1, epoch=info.current_epoch)
     store.close()

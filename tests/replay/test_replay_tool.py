@@ -17,6 +17,7 @@ from rolloutlog.controller.backends.deterministic_backend import DeterministicBa
 from rolloutlog.controller.config import RolloutConfig, StoreConfig
 from rolloutlog.controller.domain.events import CODEC, GroupSelected
 from rolloutlog.controller.rollout_controller import RolloutController, replay
+from rolloutlog.controller.rollout_index import read_indexed
 from rolloutlog.controller.rollout_runtime import GenerationConfig, RolloutRuntime
 from rolloutlog.eventstore import EventStore
 
@@ -119,7 +120,7 @@ def _forge(store: EventStore, event: object) -> int:
 
 def test_check_reports_first_violation_with_group_history(run_url: str) -> None:
     store = EventStore.open(run_url)
-    trained_group = next(r.group_id for r in store.read("r") if r.type == "GroupSelected")
+    trained_group = next(r.group_id for r in read_indexed(store, "r") if r.type == "GroupSelected")
     assert trained_group is not None
     # A second selection of an already trained group: invariant 3 (or 8) must catch it.
     offset = _forge(

@@ -14,6 +14,7 @@ from rolloutlog.controller.backends.deterministic_backend import DeterministicBa
 from rolloutlog.controller.config import RolloutConfig, StoreConfig
 from rolloutlog.controller.domain.invariants import check_invariants
 from rolloutlog.controller.rollout_controller import RolloutController, replay
+from rolloutlog.controller.rollout_index import read_indexed
 from rolloutlog.controller.rollout_runtime import GenerationConfig, RolloutRuntime, RunStoppedError
 from rolloutlog.eventstore import EventStore, StoreError
 
@@ -66,7 +67,9 @@ def test_a_batch_is_durable_before_the_trainer_sees_it(sqlite_url: str) -> None:
 
     def check(batch: Any) -> None:
         # A second connection already sees the batch's selection: it is durable.
-        durable = {(r.type, r.train_step) for r in reader.read("r") if r.type == "BatchSelected"}
+        durable = {
+            (r.type, r.train_step) for r in read_indexed(reader, "r") if r.type == "BatchSelected"
+        }
         assert ("BatchSelected", batch.train_step) in durable
         seen.append(batch.train_step)
 

@@ -34,6 +34,9 @@ def test_bench_scale_json(tmp_path: Path) -> None:
         lat = result["lookup_latency_ms"][label]
         for key in LOOKUPS:
             assert lat[key] is not None and lat[key] >= 0
+        # The lookups found rows: the generated log has its rollout index.
+        rows = result["lookups"][label]["mean_rows"]
+        assert all(rows[k] > 0 for k in ("read_where_prompt", "read_where_step")), rows
         assert result["append"][label]["appended"] == 3000
         assert result["restore"][label]["invariants"] == "pass"
     assert result["logs"]["large"]["events"] >= 60000

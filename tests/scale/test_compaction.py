@@ -23,6 +23,8 @@ from rolloutlog.controller.domain import CODEC
 from rolloutlog.controller.domain.invariants import find_violations
 from rolloutlog.controller.prompt_ledger import PromptLedger, cross_check
 from rolloutlog.controller.rollout_controller import RolloutController, decode_snapshot, replay
+from rolloutlog.controller.rollout_index import TABLE as ROLLOUT_INDEX
+from rolloutlog.controller.rollout_index import attach
 from rolloutlog.eventstore import EventStore, StoredEvent
 from rolloutlog.eventstore.compaction import (
     CompactedHistoryError,
@@ -106,6 +108,9 @@ def test_compact_restore_finish_exactly_once(driven: EventStore, tmp_path: Path)
         r.seq for r in pre_rows if not any(f <= r.seq <= e for f, e in store.history_segments(RUN))
     }
     assert abandoned_before, "the fixture must leave an abandoned range"
+    attach(store)  # as the controller that wrote the run does
+    pre_index = store.derived_rows(ROLLOUT_INDEX, RUN)
+    assert len(pre_index) == len(pre_rows), "every controller event has an index row"
 
     dry = compact(
         store, RUN, before, archive=tmp_path / "dry.jsonl", dry_run=True,
@@ -137,6 +142,12 @@ def test_compact_restore_finish_exactly_once(driven: EventStore, tmp_path: Path)
     assert set(arch.payloads) == set(pre_payloads) - set(post_payloads)
     assert all(arch.payloads[p][1] == pre_payloads[p] for p in arch.payloads)
     assert arch.payloads, "completed groups trained before the base free their payloads"
+    # The rollout index follows its events: rows of removed events go (into the archive).
+    assert store.derived_rows(ROLLOUT_INDEX, RUN) == [r for r in pre_index if r[1] >= base]
+    assert plan.derived_removed == {ROLLOUT_INDEX: base - 1}
+    assert [tuple(d.values()) for d in arch.derived[ROLLOUT_INDEX]] == [
+        r for r in pre_index if r[1] < base
+    ]
 
     # Payloads still needed are kept: those of kept events and of the base's live groups.
     for row in store.read(RUN):

@@ -40,7 +40,7 @@ def crash(url: str, run_id: str, batch: int, pad: int) -> None:
     while True:
         now = datetime.now(UTC)
         events = [
-            NewEvent("Crash", 1, json.dumps({"seq": s, "pad": filler}), now, train_step=s)
+            NewEvent("Crash", 1, json.dumps({"seq": s, "pad": filler}), now)
             for s in range(nxt, nxt + batch)
         ]
         last = store.append(run_id, events, expected_seq=nxt, epoch=info.current_epoch)
