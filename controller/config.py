@@ -106,6 +106,16 @@ class TelemetryConfig(BaseModel):
 
     enabled: bool = Field(False, description="Serve Prometheus metrics while running.")
     port: int = Field(9400, ge=0, le=65535, description="HTTP port of the metrics exporter.")
+    host: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        description="Address the metrics exporter listens on (0.0.0.0: every interface).",
+    )
+    tensorboard_dir: str | None = Field(
+        None,
+        description="Write per-step scalars as TensorBoard event files under "
+        "TENSORBOARD_DIR/<run_id> while training (independent of enabled).",
+    )
 
 
 def fingerprint(data: object) -> str:

@@ -26,3 +26,16 @@ if [ "$want_vllm" = 1 ]; then
     pip uninstall -y torchvision torchaudio torchcodec || true
   fi
 fi
+# The observability tests run a real Prometheus server (and promtool) and open the HTML
+# report in headless Chromium: Debian packages. As root, install what is missing; else
+# say what to install (in CI, where tests run as root, a missing one fails the tests).
+missing=""
+command -v prometheus >/dev/null 2>&1 || missing="$missing prometheus"
+command -v chromium >/dev/null 2>&1 || missing="$missing chromium"
+if [ -n "$missing" ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing
+  else
+    echo "note: the observability tests need:$missing (as root: apt-get install -y$missing)" >&2
+  fi
+fi

@@ -21,6 +21,7 @@ from .live import (
     LiveTimings,
     LogTailer,
     ProjectionFollower,
+    RunsTailer,
     start_embedded_telemetry,
 )
 from .projection import (
@@ -34,6 +35,7 @@ from .projection import (
     RestoreRow,
     Sample,
     StepRow,
+    WorkTotals,
     fold_rows,
     project_history,
 )
@@ -56,8 +58,10 @@ __all__ = [
     "ProjectionFollower",
     "RangeReport",
     "RestoreRow",
+    "RunsTailer",
     "Sample",
     "StepRow",
+    "WorkTotals",
     "fold_rows",
     "project_history",
     "start_embedded_telemetry",

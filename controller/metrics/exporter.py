@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
 
@@ -29,47 +29,65 @@ from .projection import Family, Histogram
 log = logging.getLogger(__name__)
 
 
-def render_family(fam: Family) -> Metric:
-    """One projection family as a prometheus-client metric family."""
-    info = fam.info
-    labels = list(info.labels)
+def render_family(fam: Family, extra: Mapping[str, str] | None = None) -> Metric:
+    """One projection family as a prometheus-client metric family (``extra``: labels
+    added to every sample, e.g. ``run_id``)."""
+    return render_families(fam.name, [(fam, dict(extra or {}))])
+
+
+def render_families(name: str, parts: Sequence[tuple[Family, dict[str, str]]]) -> Metric:
+    """The families of one metric name from several sources (one per run) as one
+    prometheus-client family; each part's extra labels are added to its samples."""
+    info = parts[0][0].info
+    extra_names = sorted({k for _, extra in parts for k in extra})
+    labels = extra_names + list(info.labels)
     metric: CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily
     if info.kind == "counter":
         # prometheus-client appends "_total" to counter samples itself.
-        metric = CounterMetricFamily(fam.name.removesuffix("_total"), info.help, labels=labels)
+        metric = CounterMetricFamily(name.removesuffix("_total"), info.help, labels=labels)
     elif info.kind == "gauge":
-        metric = GaugeMetricFamily(fam.name, info.help, labels=labels)
+        metric = GaugeMetricFamily(name, info.help, labels=labels)
     else:
-        metric = HistogramMetricFamily(fam.name, info.help, labels=labels)
-    for sample in fam.samples:
-        values = [sample.labels[name] for name in labels]
-        if isinstance(sample.value, Histogram):
-            assert isinstance(metric, HistogramMetricFamily)
-            metric.add_metric(
-                values,
-                buckets=[(le, float(n)) for le, n in sample.value.cumulative()],
-                sum_value=sample.value.total,
-            )
-        else:
-            metric.add_metric(values, float(sample.value))  # type: ignore[union-attr]
+        metric = HistogramMetricFamily(name, info.help, labels=labels)
+    for fam, extra in parts:
+        for sample in fam.samples:
+            values = [extra.get(k, "") for k in extra_names]
+            values += [sample.labels[k] for k in info.labels]
+            if isinstance(sample.value, Histogram):
+                assert isinstance(metric, HistogramMetricFamily)
+                metric.add_metric(
+                    values,
+                    buckets=[(le, float(n)) for le, n in sample.value.cumulative()],
+                    sum_value=sample.value.total,
+                )
+            else:
+                metric.add_metric(values, float(sample.value))  # type: ignore[union-attr]
     return metric
 
 
-class ProjectionCollector(Collector):
-    """Renders a :class:`MetricsSource` (a projection, live metrics, a log tailer)."""
+Sources = Callable[[], Sequence[MetricsSource]]
 
-    def __init__(self, source: MetricsSource) -> None:
-        self.source = source
+
+class ProjectionCollector(Collector):
+    """Renders one or more :class:`MetricsSource` (a projection, live metrics, a log
+    tailer; several runs), every series labelled with its source's ``run_id``."""
+
+    def __init__(self, sources: Sources) -> None:
+        self.sources = sources
 
     def collect(self) -> Iterator[Metric]:
         """Called by prometheus-client on each scrape."""
+        by_name: dict[str, list[tuple[Family, dict[str, str]]]] = {}
         try:
-            families = self.source.families()
+            for source in self.sources():
+                extra = {"run_id": source.run_id or ""}
+                for fam in source.families():
+                    by_name.setdefault(fam.name, []).append((fam, extra))
         except Exception:
             log.exception("rendering the rollout metrics failed")
             raise
-        for fam in families:
-            yield render_family(fam)
+        for name, parts in by_name.items():
+            yield render_families(name, parts)
 
     def describe(self) -> Iterator[Metric]:
         """Nothing up front: families are known only when rendered."""
@@ -105,16 +123,31 @@ class ExporterHandle:
         self.thread.join(timeout=5)
 
 
-def start_exporter(source: MetricsSource, port: int, *, addr: str = "0.0.0.0") -> ExporterHandle:
+def start_exporter(
+    source: MetricsSource | Sequence[MetricsSource] | Sources,
+    port: int,
+    *,
+    addr: str = "127.0.0.1",
+) -> ExporterHandle:
     """Serve ``source`` (e.g. a
     :class:`~rolloutlog.controller.metrics.projection.MetricsProjection`,
     :class:`~rolloutlog.controller.metrics.live.LiveMetrics` or
-    :class:`~rolloutlog.controller.metrics.live.LogTailer`) at ``http://addr:port/metrics``.
+    :class:`~rolloutlog.controller.metrics.live.LogTailer`; a list of them, or a callable returning
+    the list now, for several runs) at ``http://addr:port/metrics``. Every series carries a
+    ``run_id`` label.
 
     ``port=0`` picks a free port (read it from the handle). Raises :class:`OSError`
     when the port cannot be bound.
     """
+    if callable(source):
+        sources: Sources = source
+    elif isinstance(source, Sequence):
+        fixed = list(source)
+        sources = lambda: fixed  # noqa: E731
+    else:
+        single = [source]
+        sources = lambda: single  # noqa: E731
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(ProjectionCollector(source))
+    registry.register(ProjectionCollector(sources))
     server, thread = start_http_server(port, addr=addr, registry=registry)
     return ExporterHandle(server, thread, registry, addr)

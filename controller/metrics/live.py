@@ -18,15 +18,25 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rolloutlog.eventstore import EventStore, StoreError
 
 from ..domain.events import CODEC, CheckpointMarked, RolloutEvent
 from ..rollout_index import read_indexed
-from .projection import METRICS, EventMeta, Family, Histogram, MetricsProjection, Sample
+from .projection import (
+    METRICS,
+    EventMeta,
+    Family,
+    Histogram,
+    MetricsProjection,
+    Sample,
+    WorkTotals,
+)
+from .steps import StepPublisher, StepSink
 
 if TYPE_CHECKING:
     from ..rollout_controller import RecoveryReport, RolloutController
@@ -52,7 +62,13 @@ Pairs = Sequence[tuple[int, RolloutEvent]]
 
 
 class MetricsSource(Protocol):
-    """Anything the exporter can render: a list of metric families, read on each scrape."""
+    """Anything the exporter can render: a list of metric families, read on each scrape,
+    and the run they belong to (the ``run_id`` label of every series)."""
+
+    @property
+    def run_id(self) -> str | None:
+        """The run the families describe (None until known)."""
+        ...
 
     def families(self) -> list[Family]:
         """The metric families now."""
@@ -115,69 +131,92 @@ class ProjectionFollower:
         if keep_checkpoints < 0:
             raise ValueError("keep_checkpoints must be >= 0")
         self.lock = threading.RLock()
+        #: The work done by every event folded, all branches (never rolled back).
+        self.work = WorkTotals()
         self.projection = MetricsProjection()
+        self.projection.work = self.work
         self._copies: deque[MetricsProjection] = deque(maxlen=keep_checkpoints)
         #: Times the projection rolled back to a checkpoint copy / started over.
         self.rollbacks = 0
         self.recomputes = 0
 
     def apply(self, offset: int, meta: EventMeta, event: RolloutEvent) -> None:
-        """Fold one event (hold :attr:`lock`)."""
+        """Fold one event of the projection's own branch (hold :attr:`lock`)."""
         self.projection.apply(offset, meta, event)
         if isinstance(event, CheckpointMarked) and self._copies.maxlen:
             self._copies.append(self.projection.copy())
 
     def reset(self) -> None:
-        """Start over from an empty projection (after a failed fold; hold :attr:`lock`)."""
+        """Start over from nothing (after a failed fold; hold :attr:`lock`)."""
+        self.work = WorkTotals()
         self.projection = MetricsProjection()
+        self.projection.work = self.work
         self._copies.clear()
         self.recomputes += 1
 
-    def realign(self, segments: Sequence[tuple[int, int]]) -> None:
-        """Make the projection a prefix of the history ``segments`` (hold :attr:`lock`)."""
-        if self.projection.consistent_with(segments):
-            return
+    def _switch_branch(self, store: EventStore, run_id: str, seq: int) -> None:
+        """Make the projection the history that leads to the event at ``seq`` (the first
+        event of a new epoch), minus that event (hold :attr:`lock`).
+
+        A restore's epoch continues the history from an older checkpoint: roll back to a
+        copy at that checkpoint (or start over) and fold the rest of the prefix again,
+        without counting it as work (every event before ``seq`` is already counted).
+        """
+        segments = store.history_segments(run_id, seq)
+        prefix = [(first, min(last, seq - 1)) for first, last in segments if first < seq]
+        if self.projection.applied_segments == prefix:
+            return  # a takeover where the run stood: the same branch goes on
         for saved in reversed(self._copies):
-            if saved.consistent_with(segments):
+            if saved.consistent_with(prefix):
                 log.info(
                     "metrics: the history changed (restore); rolling back to offset %s",
                     saved.offset,
                 )
-                self.projection = saved.copy()
+                base = saved.copy()
                 self.rollbacks += 1
-                return
-        log.info("metrics: the history changed (restore); recomputing from the start")
-        self.projection = MetricsProjection()
-        self.recomputes += 1
+                break
+        else:
+            log.info("metrics: the history changed (restore); recomputing from the start")
+            base = MetricsProjection()
+            self.recomputes += 1
+        for first, last in prefix:
+            if last <= base.offset:
+                continue
+            for row in read_indexed(store, run_id, max(first, base.offset + 1), last):
+                base.apply_row(row)
+        base.work = self.work
+        self.projection = base
 
     def sync(self, store: EventStore, run_id: str, to_seq: int | None = None) -> int:
-        """Fold what the log's current history holds beyond the projection (up to
-        ``to_seq``), first rolling back if a restore changed the history. Returns the
-        number of events folded."""
-        segments = store.history_segments(run_id)
+        """Fold every stored event of the run beyond the projection (up to ``to_seq``),
+        in offset order, all epochs: each counts once in :attr:`work`, and at each new
+        epoch the projection switches to that epoch's history first (a rollback when a
+        restore abandoned a branch). Returns the number of events folded."""
+        last = store.last_seq(run_id)
         if to_seq is not None:
-            segments = [(f, min(last, to_seq)) for f, last in segments if f <= to_seq]
+            last = min(last, to_seq)
         with self.lock:
-            self.realign(segments)
             start = self.projection.offset + 1
         folded = 0
-        for first, last in segments:
-            if last < start:
-                continue
-            chunk = []
-            for row in read_indexed(store, run_id, max(first, start), last):
-                chunk.append((row, CODEC.decode(row)))
-                if len(chunk) >= 1000:
-                    folded += self._fold(chunk)
-                    chunk = []
-            folded += self._fold(chunk)
+        if start > last:
+            return 0
+        chunk = []
+        for row in read_indexed(store, run_id, start, last):
+            chunk.append((row, CODEC.decode(row)))
+            if len(chunk) >= 1000:
+                folded += self._fold(store, run_id, chunk)
+                chunk = []
+        folded += self._fold(store, run_id, chunk)
         return folded
 
-    def _fold(self, chunk: list[tuple[Any, Any]]) -> int:
+    def _fold(self, store: EventStore, run_id: str, chunk: list[tuple[Any, Any]]) -> int:
         with self.lock:
             for row, event in chunk:
-                if row.seq > self.projection.offset:
-                    self.apply(row.seq, EventMeta.of_row(row), event)
+                if row.seq <= self.projection.offset:
+                    continue
+                if row.epoch != self.projection.epoch:
+                    self._switch_branch(store, run_id, row.seq)
+                self.apply(row.seq, EventMeta.of_row(row), event)
         return len(chunk)
 
 
@@ -238,13 +277,48 @@ class LiveMetrics:
         self._append_seen = 0
         self._checkpoint_seen = 0
         self.listener_errors = 0
+        self._publishers: list[StepPublisher] = []
 
     @property
     def projection(self) -> MetricsProjection:
         """The projection (read it under ``follower.lock`` while a run is going)."""
         return self.follower.projection
 
+    @property
+    def run_id(self) -> str | None:
+        """The run followed (None before its first event is folded)."""
+        if self.controller is not None:
+            return self.controller.run_id
+        return self.follower.projection.run_id
+
     # ------------------------------------------------------------------ wiring
+    def add_step_sink(self, sink: StepSink, written: Mapping[int, float] | None = None) -> None:
+        """Hand every trained step of the history to ``sink`` (TensorBoard, W&B, ...) as
+        it is folded; ``written``: step -> offset of what the sink already holds (a
+        :class:`~rolloutlog.controller.metrics.steps.TensorBoardSink` reads its directory back)."""
+        with self.follower.lock:
+            self._publishers.append(StepPublisher(sink, written))
+            self._publish()
+
+    def _publish(self) -> None:
+        """Write new steps to the sinks (hold ``follower.lock``); errors are logged."""
+        for publisher in self._publishers:
+            try:
+                publisher.publish(self.follower.projection)
+            except Exception:
+                log.exception("metrics: writing per-step scalars failed")
+
+    def close_step_sinks(self) -> None:
+        """Write what is left, then close every step sink (errors are logged)."""
+        with self.follower.lock:
+            self._publish()
+            for publisher in self._publishers:
+                try:
+                    publisher.sink.close()
+                except Exception:
+                    log.exception("metrics: closing a step sink failed")
+            self._publishers = []
+
     def attach(
         self, controller: RolloutController, runtime: Any = None, *, background: bool = False
     ) -> None:
@@ -363,14 +437,17 @@ class LiveMetrics:
                     if first > offset + 1:
                         break  # an earlier command's events have not arrived yet
                     del self._pending[first]
-                if meta is None:
-                    # Executed without the clock tap (attached mid-command): read it back.
+                if meta is None or meta.epoch != self.follower.projection.epoch:
+                    # Executed without the clock tap (attached mid-command), or a new
+                    # epoch the projection has not switched to: read it back from the log.
                     self._needs_sync = True
                     break
                 for off, event in pairs:
                     if off > self.follower.projection.offset:
                         self.follower.apply(off, meta, event)
             self._pull_timings()
+            if self._publishers:
+                self._publish()
 
     def _pull_timings(self) -> None:
         """Copy new append and checkpoint durations (hold ``follower.lock``)."""
@@ -410,7 +487,14 @@ class LiveMetrics:
 
     # ------------------------------------------------------------------ reading
     def families(self) -> list[Family]:
-        """Fold metrics plus live-only timings (what the exporter renders)."""
+        """Fold metrics plus live-only timings (what the exporter renders).
+
+        Until the catch-up from the log is done, only the timings: a new process serving
+        a resumed run would otherwise show its counters climbing from 0 while it folds
+        the log, which Prometheus reads as a reset of the previous process's values."""
+        if not self._caught_up.is_set():
+            with self.follower.lock:
+                return self.timings.families()
         if self._needs_sync and not self._catching_up:
             try:
                 self.sync_now()
@@ -418,13 +502,15 @@ class LiveMetrics:
                 log.exception("metrics: recomputing from the log failed")
         with self.follower.lock:
             self._pull_timings()
-            return self.follower.projection.families() + self.timings.families()
+            follower = self.follower
+            return follower.projection.families(work=follower.work) + self.timings.families()
 
     def values(self) -> dict[str, Any]:
         """:meth:`MetricsProjection.values` plus ``live`` (the live-only timings)."""
         with self.follower.lock:
             self._pull_timings()
-            return {**self.follower.projection.values(), "live": self.timings.values()}
+            values = self.follower.projection.values(work=self.follower.work)
+            return {**values, "live": self.timings.values()}
 
 
 class LogTailer:
@@ -458,7 +544,85 @@ class LogTailer:
     def families(self) -> list[Family]:
         """The projection's families (no live-only timings: the log does not hold them)."""
         with self.follower.lock:
-            return self.follower.projection.families()
+            return self.follower.projection.families(work=self.follower.work)
+
+    def start(self) -> None:
+        """Poll every ``interval`` seconds on a daemon thread."""
+        self._thread = threading.Thread(target=self._loop, name="rolloutlog-tail", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll()
+            except StoreError as exc:  # the database may come back: keep serving
+                self.errors += 1
+                self.last_error = str(exc)
+                log.warning("metrics: reading the log failed: %s", exc)
+            self._stop.wait(self.interval)
+
+    def close(self) -> None:
+        """Stop polling."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+class RunsTailer:
+    """Follows several runs of one log, each with its own :class:`LogTailer`: the given
+    ``run_ids``, or (without them) every run, the newest ``max_runs``, runs created
+    later included (``rolloutlog serve-metrics --all-runs``)."""
+
+    def __init__(
+        self,
+        store: EventStore,
+        run_ids: Sequence[str] = (),
+        *,
+        interval: float = 2.0,
+        max_runs: int = 20,
+        keep_checkpoints: int = 8,
+    ) -> None:
+        if interval <= 0:
+            raise ValueError("interval must be > 0 seconds")
+        if max_runs < 1:
+            raise ValueError("max_runs must be >= 1")
+        self.store = store
+        self.fixed = list(run_ids)
+        self.interval = interval
+        self.max_runs = max_runs
+        self.keep_checkpoints = keep_checkpoints
+        self.tailers: dict[str, LogTailer] = {}
+        self.errors = 0
+        self.last_error: str | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def discover(self) -> list[str]:
+        """The runs served now (adding new runs, dropping those beyond ``max_runs``)."""
+        names = self.fixed or [r.run_id for r in self.store.list_runs()][-self.max_runs :]
+        with self._lock:
+            for name in names:
+                if name not in self.tailers:
+                    self.tailers[name] = LogTailer(
+                        self.store,
+                        name,
+                        interval=self.interval,
+                        keep_checkpoints=self.keep_checkpoints,
+                    )
+            for name in [n for n in self.tailers if n not in names]:
+                del self.tailers[name]
+        return list(names)
+
+    def poll(self) -> int:
+        """Discover runs, then fold what is new in each; the number of events folded."""
+        self.discover()
+        return sum(t.poll() for t in self.sources())
+
+    def sources(self) -> list[LogTailer]:
+        """One tailer per run served (what the exporter renders)."""
+        with self._lock:
+            return list(self.tailers.values())
 
     def start(self) -> None:
         """Poll every ``interval`` seconds on a daemon thread."""
@@ -484,27 +648,33 @@ class LogTailer:
 
 @dataclass
 class EmbeddedTelemetry:
-    """Metrics export inside a training process: the live projection and its server."""
+    """Telemetry inside a training process: the live projection, its Prometheus server
+    (None when only per-step sinks were asked for) and its per-step sinks."""
 
     live: LiveMetrics
-    exporter: ExporterHandle
+    exporter: ExporterHandle | None
 
     @property
-    def port(self) -> int:
+    def port(self) -> int | None:
         """The port the exporter listens on."""
-        return self.exporter.port
+        return self.exporter.port if self.exporter is not None else None
 
     @property
-    def url(self) -> str:
+    def url(self) -> str | None:
         """The scrape URL."""
-        return self.exporter.url
+        return self.exporter.url if self.exporter is not None else None
 
     def close(self) -> None:
-        """Stop the exporter and detach (errors are logged, never raised)."""
+        """Stop the exporter, close the step sinks and detach (errors are logged)."""
         try:
-            self.exporter.close()
+            if self.exporter is not None:
+                self.exporter.close()
         except Exception:
             log.exception("stopping the metrics exporter failed")
+        try:
+            self.live.close_step_sinks()
+        except Exception:
+            log.exception("closing the per-step sinks failed")
         try:
             self.live.detach()
         except Exception:
@@ -517,21 +687,35 @@ def start_embedded_telemetry(
     *,
     port: int,
     recovery: RecoveryReport | None = None,
-    addr: str = "0.0.0.0",
+    addr: str = "127.0.0.1",
+    serve: bool = True,
+    tensorboard_dir: Path | None = None,
+    step_sinks: Sequence[StepSink] = (),
 ) -> EmbeddedTelemetry | None:
-    """Attach live metrics to ``controller`` and serve them on ``port``.
+    """Attach live metrics to ``controller``; serve them on ``addr:port`` (``serve``),
+    write per-step scalars to TensorBoard under ``tensorboard_dir`` and to any other
+    ``step_sinks``.
 
     Telemetry never stops a run: any failure (the port is taken, ...) is logged with
-    its cause and None is returned; the run goes on without metrics export.
+    its cause and None is returned; the run goes on without telemetry.
     """
     live = LiveMetrics()
+    handle: ExporterHandle | None = None
     try:
         from .exporter import start_exporter
 
+        if tensorboard_dir is not None:
+            from .steps import TensorBoardSink
+
+            board = TensorBoardSink(tensorboard_dir)
+            live.add_step_sink(board, board.written_offsets())
+        for sink in step_sinks:
+            live.add_step_sink(sink)
         live.attach(controller, runtime, background=True)
         if recovery is not None:
             live.observe_restore(recovery)
-        handle = start_exporter(live, port, addr=addr)
+        if serve:
+            handle = start_exporter(live, port, addr=addr)
     except Exception:
         log.exception(
             "telemetry could not start on %s:%s; the run goes on without metrics export",
@@ -539,9 +723,11 @@ def start_embedded_telemetry(
             port,
         )
         try:
+            live.close_step_sinks()
             live.detach()
         except Exception:
             log.exception("detaching the metrics listener failed")
         return None
-    log.info("serving rollout metrics on http://%s:%s/metrics", addr, handle.port)
+    if handle is not None:
+        log.info("serving rollout metrics of run %s at %s", controller.run_id, handle.url)
     return EmbeddedTelemetry(live, handle)

@@ -169,6 +169,24 @@ METRICS: dict[str, MetricInfo] = {
     "rollout_last_event_timestamp_seconds": MetricInfo(
         "gauge", "seconds", "Wall-clock time (Unix, UTC) the newest event was recorded."
     ),
+    # ---------------------------------------------------------------- history state
+    "rollout_history_tokens_generated": MetricInfo(
+        "gauge",
+        "tokens",
+        "Completion tokens generated in the run's current history (falls back at a restore).",
+    ),
+    "rollout_history_tokens_committed": MetricInfo(
+        "gauge", "tokens", "Completion tokens of the groups committed in the current history."
+    ),
+    "rollout_history_groups_committed": MetricInfo(
+        "gauge", "groups", "Groups committed in the current history (falls back at a restore)."
+    ),
+    "rollout_history_groups_trained": MetricInfo(
+        "gauge", "groups", "Groups trained in the current history (falls back at a restore)."
+    ),
+    "rollout_history_events": MetricInfo(
+        "gauge", "events", "Events in the current history (falls back at a restore)."
+    ),
     # ---------------------------------------------------------------- checkpoints, restores
     "rollout_checkpoints_total": MetricInfo(
         "counter", "checkpoints", "Checkpoint markers written."
@@ -195,7 +213,7 @@ METRICS: dict[str, MetricInfo] = {
         ("kind",),
     ),
     "rollout_events_total": MetricInfo(
-        "counter", "events", "Events in the log's history, by event type.", ("type",)
+        "counter", "events", "Events stored for the run (all epochs), by event type.", ("type",)
     ),
     # ---------------------------------------------------------------- live only
     "rollout_log_append_seconds": MetricInfo(
@@ -427,6 +445,57 @@ class _Group:
         return _Group(self.phase, set(self.in_flight), dict(self.done))
 
 
+class WorkTotals:
+    """Work done by a run: the counters summed over **every stored event** of the run,
+    all epochs, branches a restore abandoned included.
+
+    This is what the exported ``*_total`` counters (and the staleness histogram) show:
+    it only ever grows, across restores and takeovers, as a Prometheus counter must. Each
+    event counts once, in the context of the history it was written in (a follower folds
+    every event in offset order, switching branches at each new epoch), so e.g. a group
+    committed in a branch that a restore abandoned and committed again after the restore
+    counts twice: it was done twice. Completions *salvaged* by a restore (recorded again
+    in the new epoch, ``salvaged_from`` set) are not counted again. The history's own
+    counts stay on :class:`MetricsProjection` (``history_counters``).
+    """
+
+    def __init__(self) -> None:
+        self.offset = 0  # the newest event counted
+        self.counts: dict[str, int] = dict.fromkeys(_PLAIN_COUNTERS.values(), 0)
+        self.failed: dict[str, int] = {"true": 0, "false": 0}
+        self.evicted: dict[tuple[str, str], int] = {
+            (r, c): 0 for r in ("stale", "other") for c in ("true", "false")
+        }
+        self.dropped: dict[str, int] = dict.fromkeys(DROP_OUTCOMES, 0)
+        self.recovery_groups: dict[str, int] = {"complete": 0, "unfinished": 0}
+        self.recovery_siblings: dict[str, int] = {"reused": 0, "rerun": 0, "salvaged": 0}
+        self.events_by_type: dict[str, int] = {}
+        self.staleness = Histogram(STALENESS_BUCKETS)
+        self.staleness_values: dict[int, int] = {}
+
+    def copy(self) -> WorkTotals:
+        """An independent copy."""
+        other = WorkTotals()
+        other.offset = self.offset
+        for name in _COUNTER_FIELDS:
+            setattr(other, name, dict(getattr(self, name)))
+        other.staleness = self.staleness.copy()
+        return other
+
+
+#: The counter containers shared by :class:`MetricsProjection` and :class:`WorkTotals`.
+_COUNTER_FIELDS = (
+    "counts",
+    "failed",
+    "evicted",
+    "dropped",
+    "recovery_groups",
+    "recovery_siblings",
+    "events_by_type",
+    "staleness_values",
+)
+
+
 class MetricsProjection:
     """The metrics fold: :meth:`apply` one event after another, read :meth:`families`,
     :meth:`values`, :attr:`steps` and :attr:`restores`.
@@ -466,8 +535,19 @@ class MetricsProjection:
         self._batches: dict[int, tuple[list[int], int]] = {}  # step -> groups, shortfall
         self._step_staleness: dict[int, list[int]] = {}
         self._checkpoint_times: dict[int, datetime] = {}
+        #: Where the work done is summed as well (set by a follower; never copied).
+        self.work: WorkTotals | None = None
 
     # ------------------------------------------------------------------ folding
+    def _add(self, field_name: str, key: Any, n: int = 1, *, work: bool = True) -> None:
+        """Count ``n`` under ``key`` of a counter container, in the history's counts and
+        (unless ``work`` is false) in the work totals."""
+        mine = getattr(self, field_name)
+        mine[key] = mine.get(key, 0) + n
+        if work and self.work is not None:
+            theirs = getattr(self.work, field_name)
+            theirs[key] = theirs.get(key, 0) + n
+
     def apply(self, offset: int, meta: EventMeta, event: RolloutEvent) -> None:
         """Fold the event stored at ``offset`` (offsets must increase)."""
         if offset <= self.offset:
@@ -477,11 +557,13 @@ class MetricsProjection:
         else:
             self.applied_segments.append((offset, offset))
         self.offset = offset
+        if self.work is not None:
+            self.work.offset = offset
         self.last_meta = meta
         self.epoch = meta.epoch
         if self.started_at is None:
             self.started_at = meta.recorded_at
-        self.events_by_type[event.event_type] = self.events_by_type.get(event.event_type, 0) + 1
+        self._add("events_by_type", event.event_type)
         handler = _HANDLERS.get(type(event))
         if handler is not None:
             handler(self, offset, meta, event)
@@ -514,6 +596,7 @@ class MetricsProjection:
         other._batches = {k: (list(g), n) for k, (g, n) in self._batches.items()}
         other._step_staleness = {k: list(v) for k, v in self._step_staleness.items()}
         other._checkpoint_times = dict(self._checkpoint_times)
+        other.work = None
         return other
 
     def consistent_with(self, segments: Sequence[tuple[int, int]]) -> bool:
@@ -535,66 +618,71 @@ class MetricsProjection:
 
     def _group_admitted(self, _o: int, _m: EventMeta, ev: GroupAdmitted) -> None:
         self._groups[ev.group_id] = _Group("admitted")
-        self.counts["prompts_pulled"] += 1
+        self._add("counts", "prompts_pulled")
 
     def _spare_pulled(self, _o: int, _m: EventMeta, ev: SparePulled) -> None:
         self._groups[ev.group_id] = _Group("spare")
-        self.counts["prompts_pulled"] += 1
+        self._add("counts", "prompts_pulled")
 
     def _spare_assigned(self, _o: int, _m: EventMeta, ev: SpareAssigned) -> None:
         self._group(ev.group_id).phase = "admitted"
         if ev.replaces_group_id is not None:
-            self.counts["replacements"] += 1
+            self._add("counts", "replacements")
 
     def _dispatched(self, _o: int, _m: EventMeta, ev: SiblingDispatched) -> None:
         self._group(ev.group_id).in_flight.add(ev.sibling)
-        self.counts["siblings_dispatched"] += 1
+        self._add("counts", "siblings_dispatched")
 
     def _completed(self, _o: int, _m: EventMeta, ev: SiblingCompleted) -> None:
         group = self._group(ev.group_id)
         group.in_flight.discard(ev.sibling)
         group.done[ev.sibling] = (ev.completion_tokens, ev.reward)
-        self.counts["siblings_completed"] += 1
-        self.counts["tokens_generated"] += ev.completion_tokens
+        # A salvaged completion was generated once, in the branch the restore abandoned:
+        # the history counts it again (it is part of the new epoch), the work done not.
+        work = ev.salvaged_from is None
+        self._add("counts", "siblings_completed", work=work)
+        self._add("counts", "tokens_generated", ev.completion_tokens, work=work)
 
     def _failed(self, _o: int, _m: EventMeta, ev: SiblingFailed) -> None:
         self._group(ev.group_id).in_flight.discard(ev.sibling)
-        self.failed["true" if ev.retryable else "false"] += 1
+        self._add("failed", "true" if ev.retryable else "false")
 
     def _aborted(self, _o: int, _m: EventMeta, ev: SiblingAborted) -> None:
         self._group(ev.group_id).in_flight.discard(ev.sibling)
-        self.counts["siblings_aborted"] += 1
+        self._add("counts", "siblings_aborted")
 
     def _committed(self, _o: int, _m: EventMeta, ev: GroupCommitted) -> None:
         group = self._group(ev.group_id)
         group.phase = "ready"
-        self.counts["groups_committed"] += 1
-        self.counts["tokens_committed"] += sum(tokens for tokens, _ in group.done.values())
+        self._add("counts", "groups_committed")
+        self._add("counts", "tokens_committed", sum(tokens for tokens, _ in group.done.values()))
 
     def _dropped(self, _o: int, _m: EventMeta, ev: PromptDropped) -> None:
         self._groups.pop(ev.group_id, None)
-        self.dropped[ev.outcome] = self.dropped.get(ev.outcome, 0) + 1
+        self._add("dropped", ev.outcome)
 
     def _borrowed(self, _o: int, _m: EventMeta, _ev: GroupBorrowed) -> None:
-        self.counts["borrows"] += 1
+        self._add("counts", "borrows")
 
     def _evicted(self, _o: int, _m: EventMeta, ev: GroupEvicted) -> None:
         self._groups.pop(ev.group_id, None)
         bound = self.staleness_bound
         reason = "stale" if bound is not None and ev.staleness > bound else "other"
         key = (reason, "true" if ev.recovered else "false")
-        self.evicted[key] += 1
+        self._add("evicted", key)
 
     def _selected(self, _o: int, _m: EventMeta, ev: GroupSelected) -> None:
         self._group(ev.group_id).phase = "selected"
-        self.counts["groups_selected"] += 1
+        self._add("counts", "groups_selected")
+        self._add("staleness_values", ev.staleness)
         self.staleness.observe(ev.staleness)
-        self.staleness_values[ev.staleness] = self.staleness_values.get(ev.staleness, 0) + 1
+        if self.work is not None:
+            self.work.staleness.observe(ev.staleness)
         self._step_staleness.setdefault(ev.train_step, []).append(ev.staleness)
 
     def _batch_selected(self, _o: int, _m: EventMeta, ev: BatchSelected) -> None:
         self._batches[ev.train_step] = (list(ev.group_ids), ev.shortfall)
-        self.counts["shortfall"] += ev.shortfall
+        self._add("counts", "shortfall", ev.shortfall)
 
     def _step_trained(self, offset: int, meta: EventMeta, ev: StepTrained) -> None:
         gids, shortfall = self._batches.pop(ev.train_step, ([], 0))
@@ -604,7 +692,7 @@ class MetricsProjection:
             if group is not None:
                 rewards.extend(group.done[s][1] for s in sorted(group.done))
         staleness = self._step_staleness.pop(ev.train_step, [])
-        self.counts["groups_trained"] += len(gids)
+        self._add("counts", "groups_trained", len(gids))
         self.train_step = ev.train_step + 1
         self.weight_version = ev.weight_version
         reward_mean = sum(rewards) / len(rewards) if rewards else None
@@ -634,17 +722,17 @@ class MetricsProjection:
         self.published_version = ev.weight_version
 
     def _checkpoint(self, offset: int, meta: EventMeta, _ev: CheckpointMarked) -> None:
-        self.counts["checkpoints"] += 1
+        self._add("counts", "checkpoints")
         self.last_checkpoint = (offset, meta.recorded_at)
         self._checkpoint_times[offset] = meta.recorded_at
 
     def _run_restored(self, offset: int, meta: EventMeta, ev: RunRestored) -> None:
-        self.counts["restores"] += 1
-        self.recovery_groups["complete"] += ev.complete_groups_restored
-        self.recovery_groups["unfinished"] += ev.unfinished_groups_found
-        self.recovery_siblings["reused"] += ev.siblings_reused
-        self.recovery_siblings["rerun"] += ev.siblings_rerun
-        self.recovery_siblings["salvaged"] += ev.siblings_salvaged
+        self._add("counts", "restores")
+        self._add("recovery_groups", "complete", ev.complete_groups_restored)
+        self._add("recovery_groups", "unfinished", ev.unfinished_groups_found)
+        self._add("recovery_siblings", "reused", ev.siblings_reused)
+        self._add("recovery_siblings", "rerun", ev.siblings_rerun)
+        self._add("recovery_siblings", "salvaged", ev.siblings_salvaged)
         by_group = ev.granularity == "group"
         for group in self._groups.values():
             if group.phase == "admitted":
@@ -675,7 +763,7 @@ class MetricsProjection:
         )
 
     def _run_resumed(self, _o: int, _m: EventMeta, _ev: RunResumed) -> None:
-        self.counts["resumes"] += 1
+        self._add("counts", "resumes")
         for group in self._groups.values():
             if group.phase == "admitted":
                 group.in_flight.clear()
@@ -718,93 +806,63 @@ class MetricsProjection:
             ),
         }
 
-    def families(self, since: MetricsProjection | None = None) -> list[Family]:
-        """Every fold metric as exported families; counters and histograms count only
-        what happened after ``since`` (an earlier copy of this projection) when given."""
-        base = since
+    def history_gauges(self) -> dict[str, float]:
+        """The state of the run's history as gauges (see ``_HISTORY_GAUGES``): these fall
+        back at a restore, unlike the work-done counters."""
+        out: dict[str, float] = {
+            name: float(self.counts[key]) for name, key in _HISTORY_GAUGES.items()
+        }
+        out["rollout_history_events"] = float(sum(self.events_by_type.values()))
+        return out
 
-        def plain(key: str) -> float:
-            return self.counts[key] - (base.counts[key] if base else 0)
+    def families(
+        self,
+        since: MetricsProjection | None = None,
+        *,
+        work: WorkTotals | None = None,
+        work_since: WorkTotals | None = None,
+    ) -> list[Family]:
+        """Every fold metric as exported families.
 
-        def labelled(
-            name: str, mine: Mapping[Any, int], theirs: Mapping[Any, int] | None
-        ) -> Family:
-            info = METRICS[name]
-            samples = []
-            for key, value in sorted(mine.items()):
-                parts = key if isinstance(key, tuple) else (key,)
-                before = theirs.get(key, 0) if theirs is not None else 0
-                samples.append(Sample(dict(zip(info.labels, parts, strict=True)), value - before))
-            return Family(name, info, tuple(samples))
-
-        out: list[Family] = []
-        for name, key in _PLAIN_COUNTERS.items():
-            out.append(Family(name, METRICS[name], (Sample({}, plain(key)),)))
-        out.append(
-            labelled("rollout_siblings_failed_total", self.failed, base.failed if base else None)
-        )
-        out.append(
-            labelled("rollout_groups_evicted_total", self.evicted, base.evicted if base else None)
-        )
-        out.append(
-            labelled("rollout_prompts_dropped_total", self.dropped, base.dropped if base else None)
-        )
-        out.append(
-            labelled(
-                "rollout_recovery_groups_total",
-                self.recovery_groups,
-                base.recovery_groups if base else None,
-            )
-        )
-        out.append(
-            labelled(
-                "rollout_recovery_siblings_total",
-                self.recovery_siblings,
-                base.recovery_siblings if base else None,
-            )
-        )
-        out.append(
-            labelled(
-                "rollout_events_total",
-                self.events_by_type,
-                base.events_by_type if base else None,
-            )
-        )
-        out.append(
-            Family(
-                "rollout_selected_group_staleness",
-                METRICS["rollout_selected_group_staleness"],
-                (Sample({}, self.staleness.minus(base.staleness if base else None)),),
-            )
-        )
+        Counters and the staleness histogram come from ``work`` (the work done by every
+        stored event, see :class:`WorkTotals`) when given, else from this history's own
+        counts; they count only what happened after ``since`` / ``work_since`` (earlier
+        copies) when given. Gauges are the history's values now.
+        """
+        if work is not None:
+            out = _counter_families(work, work_since)
+        else:
+            out = _counter_families(self, since)
         for name, value in self.gauges().items():
             if value is not None:
                 out.append(Family(name, METRICS[name], (Sample({}, float(value)),)))
+        for name, value in self.history_gauges().items():
+            out.append(Family(name, METRICS[name], (Sample({}, value),)))
         return out
 
-    def values(self, since: MetricsProjection | None = None) -> dict[str, Any]:
+    def values(
+        self,
+        since: MetricsProjection | None = None,
+        *,
+        work: WorkTotals | None = None,
+        work_since: WorkTotals | None = None,
+    ) -> dict[str, Any]:
         """Everything the projection knows, JSON-friendly.
 
-        ``counters``: name -> number, or a list of ``{label: value, ..., "value": n}``;
+        ``counters``: name -> number, or a list of ``{label: value, ..., "value": n}``:
+        the work done (``work``) when given, else the history's counts;
+        ``history_counters``: the same names counted over the history only;
         ``gauges``; ``histograms``: summaries (and the exact staleness distribution);
         ``steps``/``restores``: the time series; ``rates``: per second of log time.
         With ``since``, counters, histograms and series cover only what came after it.
         """
-        counters: dict[str, Any] = {}
-        histograms: dict[str, Any] = {}
-        for fam in self.families(since):
-            if fam.info.kind == "counter":
-                if fam.info.labels:
-                    counters[fam.name] = [{**s.labels, "value": s.value} for s in fam.samples]
-                else:
-                    counters[fam.name] = fam.samples[0].value
-            elif fam.info.kind == "histogram":
-                hist = fam.samples[0].value
-                assert isinstance(hist, Histogram)
-                histograms[fam.name] = hist.summary()
-        base_values = since.staleness_values if since is not None else {}
+        source: MetricsProjection | WorkTotals = self if work is None else work
+        source_base = since if work is None else work_since
+        counters, histograms = _counter_values(_counter_families(source, source_base))
+        history_counters, _ = _counter_values(_counter_families(self, since))
+        base_values = source_base.staleness_values if source_base is not None else {}
         histograms["rollout_selected_group_staleness"]["values"] = {
-            str(k): v - base_values.get(k, 0) for k, v in sorted(self.staleness_values.items())
+            str(k): v - base_values.get(k, 0) for k, v in sorted(source.staleness_values.items())
         }
         after = since.offset if since is not None else 0
         steps = [r for r in self.steps if r.offset > after]
@@ -843,7 +901,8 @@ class MetricsProjection:
             ),
             "wall_seconds": span,
             "counters": counters,
-            "gauges": self.gauges(),
+            "history_counters": history_counters,
+            "gauges": {**self.gauges(), **self.history_gauges()},
             "histograms": histograms,
             "rates": {
                 "groups_committed_per_second": rate("rollout_groups_committed_total"),
@@ -874,6 +933,71 @@ _PLAIN_COUNTERS: dict[str, str] = {
     "rollout_restores_total": "restores",
     "rollout_resumes_total": "resumes",
 }
+
+
+def _counter_families(
+    src: MetricsProjection | WorkTotals, base: MetricsProjection | WorkTotals | None
+) -> list[Family]:
+    """The counter and histogram families of ``src`` (minus ``base``, an earlier copy)."""
+
+    def labelled(name: str, attr: str) -> Family:
+        info = METRICS[name]
+        mine: Mapping[Any, int] = getattr(src, attr)
+        theirs: Mapping[Any, int] | None = getattr(base, attr) if base is not None else None
+        samples = []
+        for key, value in sorted(mine.items()):
+            parts = key if isinstance(key, tuple) else (key,)
+            before = theirs.get(key, 0) if theirs is not None else 0
+            samples.append(Sample(dict(zip(info.labels, parts, strict=True)), value - before))
+        return Family(name, info, tuple(samples))
+
+    out: list[Family] = []
+    for name, key in _PLAIN_COUNTERS.items():
+        value = src.counts[key] - (base.counts[key] if base is not None else 0)
+        out.append(Family(name, METRICS[name], (Sample({}, value),)))
+    out.append(labelled("rollout_siblings_failed_total", "failed"))
+    out.append(labelled("rollout_groups_evicted_total", "evicted"))
+    out.append(labelled("rollout_prompts_dropped_total", "dropped"))
+    out.append(labelled("rollout_recovery_groups_total", "recovery_groups"))
+    out.append(labelled("rollout_recovery_siblings_total", "recovery_siblings"))
+    out.append(labelled("rollout_events_total", "events_by_type"))
+    staleness = src.staleness.minus(base.staleness if base is not None else None)
+    out.append(
+        Family(
+            "rollout_selected_group_staleness",
+            METRICS["rollout_selected_group_staleness"],
+            (Sample({}, staleness),),
+        )
+    )
+    return out
+
+
+def _counter_values(families: list[Family]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """JSON-friendly counters and histogram summaries of ``families``."""
+    counters: dict[str, Any] = {}
+    histograms: dict[str, Any] = {}
+    for fam in families:
+        if fam.info.kind == "counter":
+            if fam.info.labels:
+                counters[fam.name] = [{**s.labels, "value": s.value} for s in fam.samples]
+            else:
+                counters[fam.name] = fam.samples[0].value
+        elif fam.info.kind == "histogram":
+            hist = fam.samples[0].value
+            assert isinstance(hist, Histogram)
+            histograms[fam.name] = hist.summary()
+    return counters, histograms
+
+
+#: History-state gauges: exported name -> key in :attr:`MetricsProjection.counts`
+#: (``rollout_history_events`` is the sum over event types).
+_HISTORY_GAUGES: dict[str, str] = {
+    "rollout_history_tokens_generated": "tokens_generated",
+    "rollout_history_tokens_committed": "tokens_committed",
+    "rollout_history_groups_committed": "groups_committed",
+    "rollout_history_groups_trained": "groups_trained",
+}
+
 
 _SCALAR_FIELDS = (
     "run_id",
@@ -929,19 +1053,28 @@ def fold_rows(
 
 @dataclass
 class RangeReport:
-    """The projection of a range of a run's history: ``final`` folded up to the range's
-    end, ``base`` a copy taken just before its first event (None: from the start)."""
+    """The projection of a range of a run: ``final`` (the history) folded up to the
+    range's end, ``base`` a copy taken just before its first event (None: from the
+    start); ``work`` the work done by every stored event up to the range's end (all
+    epochs), ``work_base`` the same just before the range."""
 
     final: MetricsProjection
     base: MetricsProjection | None
+    work: WorkTotals | None = None
+    work_base: WorkTotals | None = None
+
+    @property
+    def run_id(self) -> str | None:
+        """The run (the ``run_id`` label of exported series)."""
+        return self.final.run_id
 
     def values(self) -> dict[str, Any]:
         """See :meth:`MetricsProjection.values` (counters count only the range)."""
-        return self.final.values(self.base)
+        return self.final.values(self.base, work=self.work, work_since=self.work_base)
 
     def families(self) -> list[Family]:
         """See :meth:`MetricsProjection.families`."""
-        return self.final.families(self.base)
+        return self.final.families(self.base, work=self.work, work_since=self.work_base)
 
 
 def project_history(
@@ -953,12 +1086,14 @@ def project_history(
 ) -> RangeReport:
     """Recompute the metrics of a stored run offline.
 
-    The fold always starts at the beginning of the history that leads to ``to_seq``
-    (default: the current history), so gauges are right at ``to_seq``; with
-    ``from_seq``, counters, histograms and the series cover events ``from_seq..to_seq``
-    only. Ranges a restore abandoned are not part of a history and are never counted.
+    The history fold always starts at the beginning of the history that leads to
+    ``to_seq`` (default: the current history), so gauges are right at ``to_seq``; with
+    ``from_seq``, the history counters and the series cover events ``from_seq..to_seq``
+    of that history only. The work-done counters count every stored event in
+    ``from_seq..to_seq``, all epochs (abandoned branches included).
     """
     from ..rollout_controller import iter_history
+    from .live import ProjectionFollower
 
     proj = MetricsProjection()
     base: MetricsProjection | None = None
@@ -968,4 +1103,15 @@ def project_history(
         proj.apply_row(row, event)
     if from_seq is not None and base is None:
         base = proj.copy()  # the range holds no event of this history
-    return RangeReport(proj, base if from_seq is not None and from_seq > 1 else None)
+    follower = ProjectionFollower()
+    work_base: WorkTotals | None = None
+    if from_seq is not None and from_seq > 1:
+        follower.sync(store, run_id, to_seq=from_seq - 1)
+        work_base = follower.work.copy()
+    follower.sync(store, run_id, to_seq=to_seq)
+    return RangeReport(
+        proj,
+        base if from_seq is not None and from_seq > 1 else None,
+        follower.work,
+        work_base,
+    )

@@ -16,6 +16,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("rolloutlog.cli.demo", "run"),
     "metrics": ("rolloutlog.cli.metrics", "metrics"),
     "serve-metrics": ("rolloutlog.cli.metrics", "serve_metrics"),
+    "report": ("rolloutlog.cli.report", "report"),
     "audit": ("rolloutlog.cli.audit", "audit"),
     "replay": ("rolloutlog.cli.replay", "replay"),
     "compact": ("rolloutlog.cli.compact", "compact"),

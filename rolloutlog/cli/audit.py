@@ -8,6 +8,7 @@ current history only (events a restore abandoned are left out; see
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from datetime import UTC, datetime
@@ -96,18 +97,22 @@ def _print(result: QueryResult, title: str, as_json: bool, *, events: bool = Fal
         click.echo(json.dumps(result.rows))
     else:
         console = Console()
-        if not console.is_terminal:
+        if not console.is_terminal and "COLUMNS" not in os.environ:
+            # A pipe or a file: event lists keep their columns (COLUMNS overrides).
             console = Console(width=160)
         if not result.rows:
             console.print(f"{title}: no rows")
-        elif len(result.rows) == 1 and len(result.columns) > 6 and not events:
-            # One wide row reads better as a column of fields.
-            table = Table(title=title, title_justify="left")
-            table.add_column("column")
-            table.add_column("value", overflow="fold")
-            for col in result.columns:
-                table.add_row(col, _cell(col, result.rows[0][col]))
-            console.print(table)
+        elif len(result.columns) > 6 and len(result.rows) <= 5 and not events:
+            # Wide rows (e.g. one summary per run) read better as columns of fields,
+            # one block per row, than squeezed into one table.
+            for i, row in enumerate(result.rows):
+                name = f"{title} ({i + 1} of {len(result.rows)})" if len(result.rows) > 1 else title
+                table = Table(title=name, title_justify="left")
+                table.add_column("column")
+                table.add_column("value", overflow="fold")
+                for col in result.columns:
+                    table.add_row(col, _cell(col, row[col]))
+                console.print(table)
         else:
             table = Table(title=title, title_justify="left")
             columns = list(result.columns)

@@ -32,7 +32,12 @@ DEFAULT_DB = "sqlite:///runs/rolloutlog.db"
 @click.option("--checkpoint-every", default=5, show_default=True, type=click.IntRange(1))
 @click.option("--workdir", default="runs", show_default=True, type=click.Path(file_okay=False))
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0))
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print the summary as one JSON object (progress still goes to stderr).",
+)
 def demo(
     db_url: str,
     steps: int,
@@ -66,7 +71,10 @@ def demo(
             "store": {"url": db_url},
         }
     )
-    console = Console(stderr=True, quiet=as_json)
+    # Progress goes to stderr, also with --json (stdout keeps the one JSON object). On a
+    # terminal it is a live bar; elsewhere (a pipe, a log file) one line per event.
+    console = Console(stderr=True)
+    lines = not console.is_terminal
     with Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -85,6 +93,8 @@ def demo(
                 if "checkpoint" in msg:
                     info += f"  checkpoint @ offset {msg['checkpoint']['offset']}"
                 progress.update(bar, completed=msg["step"] + 1, info=info)
+                if lines:
+                    console.print(f"{phase}: step {msg['step'] + 1}/{steps}  {info}")
             elif kind == "restored":
                 progress.update(
                     bar,
@@ -180,6 +190,11 @@ def run(config: Path, run_id: str | None, resume: bool, as_json: bool) -> None:
     if url.startswith("sqlite:///"):
         Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
 
+    # Third-party progress bars (model shard writing and loading) are noise here.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
     def emit(msg: dict[str, Any]) -> None:
         if as_json:
             click.echo(json.dumps(msg, default=str))
@@ -190,6 +205,8 @@ def run(config: Path, run_id: str | None, resume: bool, as_json: bool) -> None:
             click.echo(f"step {msg['step']:4d}  reward {msg['reward']:.3f}{extra}")
         elif msg.get("event") == "restored":
             click.echo(f"restored from offset {msg['from_offset']} (epoch {msg['epoch']})")
+        elif msg.get("event") == "telemetry":
+            click.echo(f"serving metrics of run {msg.get('run_id', rid)} at {msg['url']}")
 
     try:
         result = asyncio.run(run_training(cfg, run_id=rid, resume=resume, progress=emit))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
+from datetime import UTC, datetime
 from typing import Any
 
 import click
@@ -144,26 +145,41 @@ def _print(console: Console, v: dict[str, Any], step_rows: int) -> None:
         head.add_row(key, _fmt(value))
     console.print(head)
 
-    counters = Table(title="counters (the range)")
-    for col in ("metric", "labels", "value"):
-        counters.add_column(col, justify="right" if col == "value" else "left")
+    counters = Table(title="counters (the range): work done, all epochs / the history")
+    counters.add_column("metric", no_wrap=True)  # names stay whole (they are searched)
+    counters.add_column("labels", overflow="fold")
+    counters.add_column("work done", justify="right", no_wrap=True)
+    counters.add_column("history", justify="right", no_wrap=True)
+    history = v.get("history_counters", {})
     for name, value in v["counters"].items():
         if isinstance(value, list):
-            for sample in value:
+            mine = history.get(name, [])
+            for i, sample in enumerate(value):
                 labels = ", ".join(f"{k}={x}" for k, x in sample.items() if k != "value")
-                counters.add_row(name, labels, _fmt(sample["value"]))
+                other = mine[i]["value"] if i < len(mine) else None
+                counters.add_row(name, labels, _fmt(sample["value"]), _fmt(other))
         else:
-            counters.add_row(name, "", _fmt(value))
+            counters.add_row(name, "", _fmt(value), _fmt(history.get(name)))
     console.print(counters)
 
     gauges = Table(title="gauges (at the end of the range)")
     gauges.add_column("metric")
     gauges.add_column("value", justify="right")
     for name, value in v["gauges"].items():
-        gauges.add_row(name, _fmt(value))
-    for name, value in v["rates"].items():
-        gauges.add_row(name, _fmt(value))
+        if name.endswith("_timestamp_seconds") and value is not None:
+            # A Unix time reads as a date, not as 1.7961e+09.
+            shown = datetime.fromtimestamp(value, UTC).isoformat(timespec="milliseconds")
+            gauges.add_row(name, shown)
+        else:
+            gauges.add_row(name, _fmt(value))
     console.print(gauges)
+
+    rates = Table(title="rates (per second of log time over the range)")
+    rates.add_column("rate")
+    rates.add_column("per second", justify="right")
+    for name, value in v["rates"].items():
+        rates.add_row(name.removesuffix("_per_second"), _fmt(value))
+    console.print(rates)
 
     hists = Table(title="histograms")
     hists.add_column("metric", no_wrap=True)
@@ -251,7 +267,24 @@ def _print(console: Console, v: dict[str, Any], step_rows: int) -> None:
     help="HTTP port (0: any free port, printed at start).",
 )
 @click.option("--host", default="0.0.0.0", show_default=True, help="Address to listen on.")
-@click.option("--run", "run_id", default=None, help="Run id (default: the most recent run).")
+@click.option(
+    "--run",
+    "run_ids",
+    multiple=True,
+    help="Run id; repeat for several runs (default: the most recent run).",
+)
+@click.option(
+    "--all-runs",
+    is_flag=True,
+    help="Serve every run of the log (the newest --max-runs), runs created later included.",
+)
+@click.option(
+    "--max-runs",
+    type=click.IntRange(1),
+    default=20,
+    show_default=True,
+    help="With --all-runs: serve at most this many runs, the newest ones.",
+)
 @click.option(
     "--interval",
     type=click.FloatRange(min=0.05),
@@ -259,19 +292,36 @@ def _print(console: Console, v: dict[str, Any], step_rows: int) -> None:
     show_default=True,
     help="Seconds between polls of the log.",
 )
-def serve_metrics(db_url: str, port: int, host: str, run_id: str | None, interval: float) -> None:
-    """Serve a run's metrics to Prometheus at http://HOST:PORT/metrics, tailing its log.
+def serve_metrics(
+    db_url: str,
+    port: int,
+    host: str,
+    run_ids: tuple[str, ...],
+    all_runs: bool,
+    max_runs: int,
+    interval: float,
+) -> None:
+    """Serve runs' metrics to Prometheus at http://HOST:PORT/metrics, tailing the log.
 
-    Polls the log every --interval seconds and folds the new events; when a restore
-    changes the run's history, the metrics roll back to the restored checkpoint first,
-    so they always equal `rolloutlog metrics` on the same log. Runs until interrupted.
+    Polls the log every --interval seconds and folds the new events of every epoch:
+    the *_total counters count all the work done and never decrease, also across
+    restores; gauges follow the run's current history. Every series carries a run_id
+    label. They always equal `rolloutlog metrics` on the same log. Runs until
+    interrupted.
     """
-    from rolloutlog.controller.metrics import LogTailer, start_exporter
+    from rolloutlog.controller.metrics import RunsTailer, start_exporter
 
+    if all_runs and run_ids:
+        raise click.UsageError("--all-runs and --run exclude each other")
     store = open_store(db_url)
     try:
-        run = _pick_run(store, run_id)
-        tailer = LogTailer(store, run, interval=interval)
+        if all_runs:
+            names: list[str] = []
+        elif run_ids:
+            names = [_pick_run(store, r) for r in dict.fromkeys(run_ids)]
+        else:
+            names = [_pick_run(store, None)]
+        tailer = RunsTailer(store, names, interval=interval, max_runs=max_runs)
         tailer.poll()
     except StoreError as exc:
         store.close()
@@ -280,7 +330,7 @@ def serve_metrics(db_url: str, port: int, host: str, run_id: str | None, interva
         store.close()
         raise
     try:
-        handle = start_exporter(tailer, port, addr=host)
+        handle = start_exporter(tailer.sources, port, addr=host)
     except OSError as exc:
         store.close()
         raise click.ClickException(f"cannot serve on {host}:{port}: {exc}") from exc
@@ -290,8 +340,12 @@ def serve_metrics(db_url: str, port: int, host: str, run_id: str | None, interva
         stop.set()
 
     previous = signal.signal(signal.SIGTERM, _stop)
+    if all_runs:
+        what = f"every run (the newest {max_runs}; {len(tailer.sources())} now)"
+    else:
+        what = "run " + ", ".join(names)
     click.echo(
-        f"serving metrics of run {run} ({_display(db_url)}) at {handle.url} "
+        f"serving metrics of {what} ({_display(db_url)}) at {handle.url} "
         f"(port {handle.port}), polling every {interval:g} s; Ctrl-C stops"
     )
     tailer.start()

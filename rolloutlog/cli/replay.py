@@ -8,7 +8,8 @@ from typing import Any
 
 import click
 from rich.console import Console
-from rich.table import Table
+from rich.padding import Padding
+from rich.text import Text
 
 from rolloutlog.eventstore import StoreError
 
@@ -115,16 +116,7 @@ def replay(
 
 def _render(console: Console, out: dict[str, Any]) -> None:
     if "events" in out:
-        table = Table(title=f"history of {out['target']} in run {out['run_id']}")
-        for col in ("offset", "epoch", "type", "in history", "train step", "details"):
-            table.add_column(col)
-        for e in out["events"]:
-            details = ", ".join(f"{k}={v}" for k, v in e["event"].items())
-            table.add_row(
-                str(e["offset"]), str(e["epoch"]), e["type"],
-                "yes" if e["in_history"] else "abandoned", str(e["train_step"]), details,
-            )  # fmt: skip
-        console.print(table)
+        _render_explain(console, out)
         return
     if "violation" in out:
         v = out["violation"]
@@ -155,3 +147,48 @@ def _render(console: Console, out: dict[str, Any]) -> None:
             console.print_json(json.dumps(m, default=str))
         return
     console.print_json(json.dumps(out, default=str))
+
+
+#: Event fields left out of ``--explain`` details: long identifiers and fields the
+#: target already names (the group or prompt asked about).
+_EXPLAIN_HIDDEN = ("payload_id",)
+
+
+def _render_explain(console: Console, out: dict[str, Any]) -> None:
+    """One entry per event: a header line (offset, epoch, step, type; abandoned events
+    marked) and the event's fields wrapped beneath it, legible at 80 columns."""
+    target = out["target"]
+    console.print(f"[bold]history of {target} in run {out['run_id']}[/bold]", highlight=False)
+    console.print(
+        "[dim]offset, epoch, train step, event (abandoned: rolled back by a restore)[/dim]",
+        highlight=False,
+    )
+    kind, _, value = target.partition(":")
+    hidden = {*_EXPLAIN_HIDDEN, "group_id" if kind == "group" else "prompt_index"}
+    for e in out["events"]:
+        mark = "" if e["in_history"] else "  [red]abandoned[/red]"
+        console.print(
+            f"[bold]{e['offset']:>7}[/bold]  e{e['epoch']}  step {e['train_step']}  "
+            f"[cyan]{e['type']}[/cyan]{mark}",
+            highlight=False,
+        )
+        fields = {
+            k: v
+            for k, v in e["event"].items()
+            if k not in hidden and k != "run_id" and v is not None
+        }
+        if kind == "group" and str(e["event"].get("group_id", value)) != value:
+            fields["group_id"] = e["event"]["group_id"]
+        if fields:
+            details = Text("  ".join(f"{k}={_short(v)}" for k, v in fields.items()), style="dim")
+            console.print(Padding(details, (0, 0, 0, 9)), overflow="fold")
+
+
+def _short(value: Any) -> str:
+    """A field value for one line: long lists and strings cut with their length."""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list) and len(value) > 8:
+        return f"[{', '.join(map(str, value[:8]))}, ... ({len(value)} items)]"
+    text = str(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."

@@ -255,14 +255,28 @@ async def run_training(
             if resume:
                 await runtime.sync_weights(trainer.named_weights(), version)
             await runtime.start()
-            if cfg.telemetry.enabled:  # never stops the run: a failure to start is logged
+            board = cfg.telemetry.tensorboard_dir
+            if cfg.telemetry.enabled or board:  # never stops the run: failures are logged
                 from rolloutlog.controller.metrics.live import start_embedded_telemetry
 
                 telemetry = start_embedded_telemetry(
-                    controller, runtime, port=cfg.telemetry.port, recovery=recovery
+                    controller,
+                    runtime,
+                    port=cfg.telemetry.port,
+                    recovery=recovery,
+                    addr=cfg.telemetry.host,
+                    serve=cfg.telemetry.enabled,
+                    tensorboard_dir=Path(board) / run_id if board else None,
                 )
-                if telemetry is not None:
-                    emit({"event": "telemetry", "port": telemetry.port, "url": telemetry.url})
+                if telemetry is not None and telemetry.url is not None:
+                    emit(
+                        {
+                            "event": "telemetry",
+                            "port": telemetry.port,
+                            "url": telemetry.url,
+                            "run_id": run_id,
+                        }
+                    )
             for step in range(first, cfg.steps):
                 batch = await runtime.next_batch(step)
                 samples = [

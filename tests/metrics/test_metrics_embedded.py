@@ -55,14 +55,14 @@ def test_training_serves_its_metrics_and_resume_adds_the_restore(tmp_path: Path)
         elif msg["event"] == "step":
             # The callback blocks the event loop: no command runs while we look.
             samples = _until(
-                lambda: scrape(seen["url"]),
+                lambda: scrape(seen["url"], RUN),
                 lambda s: s.get(("rollout_train_step", ())) == msg["step"] + 1,
             )
             offset = int(samples[("rollout_log_offset", ())])
             store = EventStore.open(url)
             try:  # the commit thread makes the events durable meanwhile
                 _until(lambda: store.last_seq(RUN), lambda n: n >= offset)
-                offline = project_history(store, RUN, to_seq=offset).final
+                offline = project_history(store, RUN, to_seq=offset)
             finally:
                 store.close()
             fold_only = {k: v for k, v in samples.items() if not _live_only(k[0])}
@@ -77,7 +77,7 @@ def test_training_serves_its_metrics_and_resume_adds_the_restore(tmp_path: Path)
     assert last[("rollout_log_append_seconds_count", ())] > 0
     assert last[("rollout_restores_total", ())] == 0
     with pytest.raises(urllib.error.URLError):  # closed with the run
-        scrape(seen["url"])
+        scrape(seen["url"], RUN)
 
     # Resume to a third step: a restore, whose phase timings are exported too.
     cfg3 = _cfg(tmp_path, steps=3, port=0)
@@ -112,5 +112,5 @@ def test_a_telemetry_failure_does_not_stop_training(
             )
     assert result.steps_trained == 1
     assert not [m for m in messages if m["event"] == "telemetry"]
-    assert f"telemetry could not start on 0.0.0.0:{port}" in caplog.text
+    assert f"telemetry could not start on 127.0.0.1:{port}" in caplog.text
     assert "Address already in use" in caplog.text  # the cause is not hidden

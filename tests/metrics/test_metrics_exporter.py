@@ -27,15 +27,22 @@ from rolloutlog.eventstore import EventStore
 Key = tuple[str, tuple[tuple[str, str], ...]]
 
 
-def scrape(url: str) -> dict[Key, float]:
-    """Every sample at ``url`` as {(sample name, sorted labels): value}."""
+def scrape(url: str, run_id: str | None = RUN_ID) -> dict[Key, float]:
+    """Every sample at ``url`` as {(sample name, sorted labels): value}.
+
+    Every sample must carry the ``run_id`` label (``run_id``; None: any run); it is
+    checked, then left out of the keys unless ``run_id`` is None."""
     with urllib.request.urlopen(url, timeout=10) as resp:
         assert resp.status == 200
         text = resp.read().decode()
     out: dict[Key, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+            labels = dict(s.labels)
+            assert "run_id" in labels, (s.name, labels)
+            if run_id is not None:
+                assert labels.pop("run_id") == run_id, (s.name, s.labels)
+            out[(s.name, tuple(sorted(labels.items())))] = s.value
     return out
 
 
@@ -75,7 +82,7 @@ def test_scrape_equals_the_live_projection(scenario: Scenario) -> None:
     # And the values are the offline recomputation's (live-only timings aside).
     store = EventStore.open(scenario.url)
     try:
-        offline = project_history(store, RUN_ID).final
+        offline = project_history(store, RUN_ID)
     finally:
         store.close()
     c = offline.values()["counters"]
@@ -107,7 +114,7 @@ def _live_only(sample_name: str) -> bool:
 def test_own_registry_and_two_exporters_at_once(scenario: Scenario) -> None:
     store = EventStore.open(scenario.url)
     try:
-        offline = project_history(store, RUN_ID).final
+        offline = project_history(store, RUN_ID)
     finally:
         store.close()
     a = start_exporter(offline, 0, addr="127.0.0.1")
@@ -148,7 +155,7 @@ def test_tailer_follows_the_log_across_a_restore(sqlite_url: str) -> None:
         tailer = LogTailer(store, RUN_ID, interval=0.05)
         tailer.poll()
         seen["tailer"] = tailer
-        seen["values"] = tailer.follower.projection.values()
+        seen["values"] = tailer.follower.projection.values(work=tailer.follower.work)
 
     try:
         sc = run_scenario(sqlite_url, on_crash=at_crash)
@@ -158,8 +165,8 @@ def test_tailer_follows_the_log_across_a_restore(sqlite_url: str) -> None:
         assert at_crash_values["offset"] > sc.checkpoint_offset
         assert tailer.poll() > 0
         assert tailer.follower.rollbacks == 1 and tailer.follower.recomputes == 0
-        offline = project_history(store, RUN_ID).final
-        assert tailer.follower.projection.values() == offline.values()
+        offline = project_history(store, RUN_ID)
+        assert tailer.follower.projection.values(work=tailer.follower.work) == offline.values()
         assert tailer.poll() == 0  # nothing new
         # Polling on its thread, served over HTTP.
         tailer.start()
@@ -198,7 +205,7 @@ def test_a_failing_listener_never_stops_the_run_and_is_repaired(
     monkeypatch.setitem(projection_module._HANDLERS, GroupCommitted, original)
     store = EventStore.open(sqlite_url)
     try:
-        offline = project_history(store, RUN_ID).final
+        offline = project_history(store, RUN_ID)
     finally:
         store.close()
-    assert sc.live.projection.values() == offline.values()
+    assert {k: v for k, v in sc.live.values().items() if k != "live"} == offline.values()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from metrics_helpers import ROLLOUT, RUN_ID, Scenario, run_scenario
 
-from rolloutlog.controller.domain.events import SiblingCompleted
+from rolloutlog.controller.domain.events import CODEC, SiblingCompleted, StepTrained
 from rolloutlog.controller.metrics import MetricsProjection, fold_rows, project_history
 from rolloutlog.controller.rollout_controller import iter_history
 from rolloutlog.eventstore import EventStore
@@ -73,7 +73,13 @@ def test_live_equals_offline_across_failures_and_a_restore(db_url: str) -> None:
     offline_values = _offline(db_url).values()
     # Every projection value, including the step and restore series and their times.
     assert live_values == offline_values
-    assert project_history_values(db_url) == offline_values
+    # With the work done (every stored event, all epochs): live equals offline too.
+    live_work = {k: v for k, v in live.values().items() if k != "live"}
+    offline_work = project_history_values(db_url)
+    assert live_work == offline_work
+    assert offline_work["history_counters"] == offline_values["counters"]
+    assert offline_work["gauges"] == offline_values["gauges"]
+    _check_work_done(db_url, offline_work)
 
     # Not vacuous: most events went through the listener, and the restore abandoned
     # folded work (completions after the checkpoint) that the rollback removed.
@@ -141,6 +147,35 @@ def test_live_equals_offline_across_failures_and_a_restore(db_url: str) -> None:
     assert timings["rollout_checkpoint_seconds"]["count"] == 2
     assert timings["rollout_restore_phase_seconds"] == report.timings
     assert "live" not in offline_values
+
+
+def _check_work_done(url: str, v: dict) -> None:
+    """The work-done counters count every stored event once (all epochs), salvaged
+    completions aside, and are never below the history's counts."""
+    store = EventStore.open(url)
+    try:
+        rows = [(row, CODEC.decode(row)) for row in store.read(RUN_ID, 1)]
+    finally:
+        store.close()
+    c, h = v["counters"], v["history_counters"]
+    assert sum(s["value"] for s in c["rollout_events_total"]) == len(rows)
+    completed = [ev for _, ev in rows if isinstance(ev, SiblingCompleted)]
+    fresh = [ev for ev in completed if ev.salvaged_from is None]
+    assert c["rollout_siblings_completed_total"] == len(fresh)
+    assert c["rollout_tokens_generated_total"] == sum(ev.completion_tokens for ev in fresh)
+    trained = sum(1 for _, ev in rows if isinstance(ev, StepTrained))
+    assert trained > 10  # steps trained in the abandoned branch count too
+    assert c["rollout_groups_trained_total"] > h["rollout_groups_trained_total"]
+    for name, value in c.items():
+        if isinstance(value, list):
+            mine = {tuple(sorted(x.items())): x["value"] for x in value}
+            for sample in h[name]:
+                key = tuple(sorted(sample.items()))
+                assert sample["value"] <= max(
+                    (n for k, n in mine.items() if k[:-1] == key[:-1]), default=0
+                ), name
+        else:
+            assert value >= h[name], name
 
 
 def project_history_values(url: str) -> dict:
