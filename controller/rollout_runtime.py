@@ -115,7 +115,8 @@ class PromptSource(Protocol):
         ...
 
     def reward(self, index: int, completion_token_ids: Sequence[int]) -> float:
-        """Reward of a completion of prompt ``index``."""
+        """Reward of a completion of prompt ``index``; one that raises fails that sibling
+        without retry (its group is dropped), never the run."""
         ...
 
 
@@ -162,6 +163,8 @@ class PumpStats:
     aborted: int = 0
     fenced_results: int = 0
     malformed: int = 0
+    #: Completions whose reward raised (each recorded as a failed sibling, no retry).
+    reward_failures: int = 0
 
 
 @dataclass
@@ -391,7 +394,14 @@ class RolloutRuntime:
         for res in results:
             payload_id = f"e{epoch}-g{res.group_id}-s{res.sibling}-a{res.attempt}"
             data = encode_arrays({"token_ids": res.token_ids, "logprobs": res.logprobs})
-            reward = float(self.prompts.reward(prompt_index, res.token_ids))
+            try:
+                reward = float(self.prompts.reward(prompt_index, res.token_ids))
+            except Exception as exc:
+                # A reward that raises is this sample's failure, not the run's: the sibling
+                # fails without retry (SiblingFailed carries the message) and the drop
+                # policy fills the group's slot.
+                self._record_reward_failure(res, f"reward failed: {type(exc).__name__}: {exc}")
+                continue
             try:
                 self.controller.execute(
                     CompleteSibling(
@@ -494,6 +504,20 @@ class RolloutRuntime:
             self.stats.failed += 1
             recorded += 1
         return recorded
+
+    def _record_reward_failure(self, res: SiblingResult, reason: str) -> None:
+        if not self._still_in_flight(res.group_id, res.sibling, res.attempt):
+            return
+        self.controller.execute(
+            FailSibling(
+                group_id=res.group_id,
+                sibling=res.sibling,
+                attempt=res.attempt,
+                retryable=False,
+                reason=reason,
+            )
+        )
+        self.stats.reward_failures += 1
 
     def _record_aborts(self, request: GroupRequest, reason: str) -> None:
         for spec in request.siblings:

@@ -25,12 +25,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rolloutlog.controller.backends.base import (
     BackendAbortedError,
@@ -44,6 +39,7 @@ from rolloutlog.controller.backends.base import (
     validate_results,
     validate_weight_update,
 )
+from rolloutlog.grpo.model_loader import load_causal_lm
 
 
 class _Aborted(Exception):
@@ -105,8 +101,8 @@ class TorchBackend(BackendBase):
             model, tokenizer = policy
             model = copy.deepcopy(model)
         else:
-            model = AutoModelForCausalLM.from_pretrained(str(policy), dtype=dtype)
-            tokenizer = AutoTokenizer.from_pretrained(str(policy))
+            # The generic loader: any local causal LM directory (weights + tokenizer).
+            model, tokenizer = load_causal_lm(policy, dtype=dtype)
         self._model: PreTrainedModel = model.to(self.device).eval().requires_grad_(False)
         self.tokenizer = tokenizer
         limit = int(self._model.config.max_position_embeddings)

@@ -217,17 +217,25 @@ def run(config: Path, run_id: str | None, resume: bool, as_json: bool) -> None:
 
         # A log, domain or backend error (e.g. an unreachable backend) is the user's to
         # fix: one clear line, no traceback. The run is restorable from its log.
-        if isinstance(exc, StoreError | DomainError | BackendError):
+        if isinstance(exc, StoreError | DomainError | BackendError | ConfigError):
             raise click.ClickException(str(exc)) from exc
         raise
-    if not as_json and result.steps_trained == 0:
-        click.echo(
-            f"run {rid}: nothing left to train: its newest checkpoint is at step "
-            f"{result.first_step} and the config trains {cfg.steps} steps (raise steps to "
-            "go on); nothing was written"
-        )
-    elif not as_json:
+    if result.steps_trained == 0:
+        if not as_json:
+            click.echo(
+                f"run {rid}: nothing left to train: its newest checkpoint is at step "
+                f"{result.first_step} and the config trains {cfg.steps} steps (raise steps to "
+                "go on); nothing was written"
+            )
+        return
+    from rolloutlog.controller.workloads.run import run_summary
+
+    summary = run_summary(cfg, rid, result.workload)
+    if as_json:
+        click.echo(json.dumps(summary, default=str))
+    else:
         click.echo(
             f"run {rid}: trained steps {result.first_step}.."
-            f"{result.first_step + result.steps_trained - 1}"
+            f"{result.first_step + result.steps_trained - 1}; reward "
+            f"{summary['reward_first']:.3f} (first 3) -> {summary['reward_last']:.3f} (last 3)"
         )

@@ -13,7 +13,7 @@ import os
 import re
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +23,12 @@ from rolloutlog.controller.backends.base import GenerationBackend
 from rolloutlog.controller.domain.errors import RestoreError
 from rolloutlog.controller.rollout_controller import RecoveryReport, RolloutController
 from rolloutlog.controller.rollout_runtime import RolloutRuntime
+from rolloutlog.controller.workloads.dataset import PromptDataset
+from rolloutlog.controller.workloads.run import check_model_fits, dataset_prompts, prepare_model_dir
 from rolloutlog.eventstore import EpochFencedError, EventStore
 
+from .model_loader import load_causal_lm
 from .run_config import BackendKind, RunConfig
-from .tiny_model import TinyModelSpec, build_tiny_model, load_policy
 from .toy_task import ToyTask
 from .trainer import GRPOTrainer, TrainSample
 
@@ -175,6 +177,8 @@ class TrainingResult:
     steps_trained: int
     rewards: dict[int, float]
     recovery: RecoveryReport | None
+    #: Dataset and reward counts of this process (dataset runs; see DatasetStats.to_dict).
+    workload: dict[str, Any] = field(default_factory=dict)
 
 
 async def run_training(
@@ -201,15 +205,16 @@ async def run_training(
             )
             return TrainingResult(run_id, done.train_step, 0, {}, None)
     torch.manual_seed(cfg.seed)
-    model_dir = build_tiny_model(
-        Path(cfg.model.dir),
-        TinyModelSpec(
-            seed=cfg.model.seed, max_position_embeddings=max(128, cfg.model.max_model_len)
-        ),
-    )
-    model, tokenizer = load_policy(model_dir)
-    task = ToyTask(cfg.task)
-    prompts = TokenizedPrompts(task, tokenizer)
+    # Any local causal LM directory, through the one generic loader (the tiny demo model
+    # is built into model.dir first when asked to and nothing is there).
+    model_dir = prepare_model_dir(cfg.model)
+    model, tokenizer = load_causal_lm(model_dir)
+    check_model_fits(cfg, model)
+    prompts: TokenizedPrompts | PromptDataset
+    if cfg.dataset is not None:
+        prompts = dataset_prompts(cfg, tokenizer, model_dir)
+    else:
+        prompts = TokenizedPrompts(ToyTask(cfg.task), tokenizer)
     trainer = GRPOTrainer(model, cfg.trainer, pad_token_id=int(tokenizer.pad_token_id))
     store = EventStore.open(cfg.store.url)
     recovery: RecoveryReport | None = None
@@ -228,7 +233,7 @@ async def run_training(
                 run_id,
                 ckpt.offset,
                 rollout=cfg.rollout,
-                dataset_fingerprint=task.fingerprint,
+                dataset_fingerprint=prompts.fingerprint,
                 store_config=cfg.store,
             )
             emit({"event": "restored", "checkpoint": str(ckpt.path), **recovery.to_dict()})
@@ -237,8 +242,8 @@ async def run_training(
                 store,
                 run_id,
                 cfg.rollout,
-                dataset_fingerprint=task.fingerprint,
-                dataset_size=task.num_prompts,
+                dataset_fingerprint=prompts.fingerprint,
+                dataset_size=prompts.num_prompts,
                 store_config=cfg.store,
             )
         first = controller.state.train_step
@@ -331,7 +336,11 @@ async def run_training(
                     await backend.close()
                 finally:
                     controller.close()
-        return TrainingResult(run_id, first, cfg.steps - first, rewards, recovery)
+        workload: dict[str, Any] = {}
+        if isinstance(prompts, PromptDataset):
+            workload = {**prompts.stats.to_dict(), "fingerprint": prompts.fingerprint}
+            workload["reward_failures_dropped"] = runtime.stats.reward_failures
+        return TrainingResult(run_id, first, cfg.steps - first, rewards, recovery, workload)
     finally:
         store.close()
 

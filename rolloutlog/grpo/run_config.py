@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rolloutlog.controller.config import (
     ConfigError,
@@ -19,6 +19,8 @@ from rolloutlog.controller.config import (
     load_yaml,
 )
 from rolloutlog.controller.rollout_runtime import GenerationConfig
+from rolloutlog.controller.workloads.dataset import DatasetConfig
+from rolloutlog.controller.workloads.rewards import RewardConfig
 
 from .toy_task import ToyTaskConfig
 from .trainer import GRPOConfig
@@ -27,12 +29,19 @@ BackendKind = Literal["torch", "vllm", "deterministic"]
 
 
 class ModelConfig(BaseModel):
-    """The tiny policy built locally (no hub access)."""
+    """The policy: any local Hugging Face causal LM directory (safetensors + tokenizer)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    dir: str = Field("runs/tiny-model", description="Where the tiny model is built and read.")
-    seed: int = Field(0, ge=0, description="Seed of the initial weights.")
+    dir: str = Field(
+        "runs/tiny-model", description="Local causal LM directory the policy is loaded from."
+    )
+    build: Literal["tiny", "none"] = Field(
+        "tiny",
+        description="tiny: build the tiny demo model into dir when dir holds no model (a "
+        "model already there is loaded as it is); none: dir must hold a model.",
+    )
+    seed: int = Field(0, ge=0, description="Seed of the initial weights (build: tiny).")
     max_model_len: int = Field(64, ge=8, description="Prompt + completion tokens per sibling.")
 
 
@@ -62,6 +71,28 @@ class RunConfig(BaseModel):
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     task: ToyTaskConfig = Field(default_factory=ToyTaskConfig)
     trainer: GRPOConfig = Field(default_factory=GRPOConfig)
+    dataset: DatasetConfig | None = Field(
+        None, description="Prompts from a local dataset file (replaces task when set)."
+    )
+    reward: RewardConfig | None = Field(
+        None, description="Reward of dataset prompts (default when a dataset is set: exact_match)."
+    )
+    passes: int = Field(
+        1, ge=1, description="Passes over the dataset (only 1 is supported for now)."
+    )
+
+    @model_validator(mode="after")
+    def _workload_consistent(self) -> RunConfig:
+        if self.reward is not None and self.dataset is None:
+            raise ValueError("reward is set but dataset is not (the toy task has its own reward)")
+        if self.passes > 1:
+            # Phase B: a prompt's identity in the log becomes (pass, index); until then a
+            # second pass would look like prompts trained twice.
+            raise ValueError(
+                f"passes: {self.passes} is not supported yet (one pass over the data per run); "
+                "set passes: 1"
+            )
+        return self
 
 
 def load_run_config(path: Path) -> RunConfig:

@@ -19,7 +19,14 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
 
 PAD_TOKEN = "<pad>"
 BOS_TOKEN = "<bos>"
@@ -179,9 +186,12 @@ def build_tiny_model(out_dir: Path, spec: TinyModelSpec = TinyModelSpec()) -> Pa
     return out_dir
 
 
-def load_policy(model_dir: Path | str) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
-    """Load the policy (float32, eval mode) and its tokenizer from a local directory."""
-    model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model.eval()
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
-    return model, tokenizer
+def load_policy(model_dir: Path | str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load the policy (float32, eval mode) and its tokenizer from a local directory.
+
+    Kept for callers of the tiny model; it is the generic
+    :func:`rolloutlog.grpo.model_loader.load_causal_lm`, so any causal LM directory works.
+    """
+    from rolloutlog.grpo.model_loader import load_causal_lm
+
+    return load_causal_lm(model_dir, dtype=torch.float32)

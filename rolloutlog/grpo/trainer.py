@@ -334,9 +334,15 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ weights and state
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """Detached CPU copies of every ``model.state_dict()`` entry (to push to a backend)."""
+        """Detached CPU copies of the model's parameters (to push to a backend).
+
+        Each parameter appears once, under its first name: a tied weight (an output head
+        sharing the input embedding, as in GPT-2) is not repeated under its second name,
+        exactly like the safetensors checkpoint ``save_pretrained`` writes, so the names
+        are the checkpoint's and a backend that checks names against it accepts them.
+        """
         return [
-            (name, t.detach().to("cpu", copy=True)) for name, t in self.model.state_dict().items()
+            (name, p.detach().to("cpu", copy=True)) for name, p in self.model.named_parameters()
         ]
 
     def state_dict(self) -> dict[str, Any]:

@@ -14,6 +14,8 @@ from pydantic import BaseModel
 
 from rolloutlog.controller.config import RolloutConfig, StoreConfig, TelemetryConfig
 from rolloutlog.controller.rollout_runtime import GenerationConfig
+from rolloutlog.controller.workloads.dataset import DatasetConfig
+from rolloutlog.controller.workloads.rewards import RewardConfig
 from rolloutlog.grpo.run_config import ModelConfig, RunConfig
 from rolloutlog.grpo.toy_task import ToyTaskConfig
 from rolloutlog.grpo.trainer import GRPOConfig
@@ -28,6 +30,8 @@ MODELS: list[type[BaseModel]] = [
     ModelConfig,
     ToyTaskConfig,
     GRPOConfig,
+    DatasetConfig,
+    RewardConfig,
 ]
 
 
@@ -69,6 +73,9 @@ def row(model: type[BaseModel], field: str) -> str:
 )
 def test_field_documented_with_default(model: type[BaseModel], field: str) -> None:
     line = row(model, field)
+    if model.model_fields[field].is_required():
+        assert "required" in line, f"{model.__name__}.{field} is required; the row must say so"
+        return
     default = model.model_fields[field].get_default(call_default_factory=True)
     if isinstance(default, BaseModel):
         return  # a section of RunConfig: documented in its own table

@@ -1,0 +1,373 @@
+"""Prompts from a local dataset file (JSONL, JSON, Parquet, CSV) through ``datasets``.
+
+:class:`PromptDataset` is a ``PromptSource`` (see :mod:`rolloutlog.controller.rollout_runtime`):
+prompt ``index`` is the ``index``-th row kept from the file (rows refused as too long are not
+kept), tokenized once up front; ``reward`` decodes a completion and scores it with the
+configured :class:`~rolloutlog.controller.workloads.rewards.Reward`.
+
+Only local files are read: ``HF_DATASETS_OFFLINE=1`` is set before ``datasets`` is
+imported, and the path must exist. The fingerprint covers the file's bytes, every
+dataset setting that shapes prompts (field, template, chat template, length policy),
+the tokenizer and the reward, so a log written for other prompts or another reward is
+refused on restore.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .passes import PromptKey, prompt_at
+from .rewards import Reward, RewardConfig, RewardFailedError, RewardResult
+
+DatasetFormat = Literal["auto", "jsonl", "json", "parquet", "csv"]
+TooLong = Literal["skip", "truncate", "error"]
+
+#: Bumped whenever prompt building or the fingerprint's recipe changes meaning.
+DATASET_VERSION = 1
+_BUILDERS = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}
+_SUFFIXES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+class DatasetError(ValueError):
+    """A dataset file or row that cannot become prompts (the message names it)."""
+
+
+class DatasetConfig(BaseModel):
+    """Where the prompts come from and how a row becomes a prompt."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str = Field(..., min_length=1, description="Local dataset file (relative to the cwd).")
+    format: DatasetFormat = Field(
+        "auto", description="jsonl, json, parquet or csv; auto: from the file's suffix."
+    )
+    prompt_field: str = Field(
+        "prompt", min_length=1, description="Row field holding the prompt text (no template)."
+    )
+    template: str | None = Field(
+        None,
+        description="Prompt template filled with the row's fields, e.g. \"Question: "
+        '{question}\\nAnswer:" (replaces prompt_field).',
+    )
+    answer_field: str | None = Field(
+        "answer", description="Row field passed to the reward as the answer (null: none)."
+    )
+    chat_template: bool = Field(
+        False,
+        description="Wrap the prompt as one user message with the tokenizer's chat template "
+        "(and its generation prompt).",
+    )
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="Longest prompt in tokens (null: the model's limit applies)."
+    )
+    too_long: TooLong = Field(
+        "skip",
+        description="A prompt over max_prompt_tokens: skip the row, truncate it (keeps the "
+        "start token and the end of the prompt), or error (refuse the dataset). Counted.",
+    )
+
+    @model_validator(mode="after")
+    def _format_known(self) -> DatasetConfig:
+        self.resolved_format()
+        return self
+
+    def resolved_format(self) -> str:
+        """The file format (``format``, or the suffix's under ``auto``)."""
+        if self.format != "auto":
+            return self.format
+        suffix = Path(self.path).suffix.lower()
+        if suffix not in _SUFFIXES:
+            raise ValueError(
+                f"cannot tell the format of {self.path!r} from its suffix; set dataset.format "
+                f"to one of {', '.join(sorted(_BUILDERS))}"
+            )
+        return _SUFFIXES[suffix]
+
+
+@dataclass
+class DatasetStats:
+    """What loading the dataset and scoring completions counted."""
+
+    rows: int = 0
+    prompts: int = 0
+    too_long_skipped: int = 0
+    too_long_truncated: int = 0
+    reward_failures: int = 0
+    #: The last few reward failure messages, as ``(prompt index, message)``.
+    reward_errors: list[tuple[int, str]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain numbers for a run summary."""
+        return {
+            "dataset_rows": self.rows,
+            "dataset_prompts": self.prompts,
+            "prompts_too_long_skipped": self.too_long_skipped,
+            "prompts_too_long_truncated": self.too_long_truncated,
+            "reward_failures": self.reward_failures,
+        }
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file's bytes (read in chunks)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def vocab_fingerprint(tokenizer: Any) -> str:
+    """A hash of a tokenizer object's vocabulary, special tokens and chat template (for a
+    tokenizer that was not loaded from a directory)."""
+    payload = {
+        "class": type(tokenizer).__name__,
+        "vocab": sorted(tokenizer.get_vocab().items()),
+        "special": sorted(str(t) for t in tokenizer.all_special_tokens),
+        "chat_template": getattr(tokenizer, "chat_template", None),
+    }
+    return hashlib.sha256(json.dumps(payload, default=str).encode()).hexdigest()[:16]
+
+
+def load_rows(config: DatasetConfig) -> list[dict[str, Any]]:
+    """Every row of the local file, as dicts, in file order (``datasets``, offline)."""
+    path = Path(config.path)
+    if not path.is_file():
+        raise DatasetError(f"dataset file {path} does not exist")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # never reach for a hub
+    try:
+        import datasets
+    except ImportError as exc:  # an optional extra: say how to get it
+        raise DatasetError(
+            f"reading {path} needs the datasets library: pip install 'rolloutlog[data]'"
+        ) from exc
+
+    datasets.disable_progress_bars()
+    builder = _BUILDERS[config.resolved_format()]
+    try:
+        ds = datasets.load_dataset(builder, data_files=str(path), split="train")
+    except Exception as exc:  # the library's errors vary by format; name the file
+        raise DatasetError(
+            f"cannot read {path} as {config.resolved_format()}: {type(exc).__name__}: {exc}"
+        ) from exc
+    return [dict(row) for row in ds]
+
+
+class PromptDataset:
+    """A dataset file as token-level prompts and a reward (a ``PromptSource``).
+
+    Args:
+        config: the dataset settings.
+        reward: the reward settings.
+        tokenizer: the policy's tokenizer.
+        tokenizer_fingerprint: a hash of the tokenizer's files (see
+            :func:`rolloutlog.grpo.model_loader.tokenizer_fingerprint`); default: a hash of
+            its vocabulary, special tokens and chat template.
+        rows: the rows, when already loaded (default: read ``config.path``).
+    """
+
+    def __init__(
+        self,
+        config: DatasetConfig,
+        reward: RewardConfig,
+        tokenizer: Any,
+        *,
+        tokenizer_fingerprint: str | None = None,
+        rows: Sequence[Mapping[str, Any]] | None = None,
+    ) -> None:
+        self.config = config
+        self.reward_config = reward
+        self.tokenizer = tokenizer
+        self._reward = Reward(reward)
+        self.stats = DatasetStats()
+        all_rows = [dict(r) for r in rows] if rows is not None else load_rows(config)
+        self.stats.rows = len(all_rows)
+        self._rows: list[dict[str, Any]] = []
+        self._prompts: list[tuple[int, ...]] = []
+        #: Row number in the file of each prompt index (rows may be skipped).
+        self.source_rows: list[int] = []
+        for number, row in enumerate(all_rows):
+            ids = self._tokenize(number, row)
+            if ids is None:
+                continue
+            self._rows.append(row)
+            self._prompts.append(ids)
+            self.source_rows.append(number)
+        self.stats.prompts = len(self._prompts)
+        if not self._prompts:
+            raise DatasetError(
+                f"dataset {config.path} yields no prompts ({self.stats.rows} rows, "
+                f"{self.stats.too_long_skipped} skipped as longer than "
+                f"{config.max_prompt_tokens} tokens)"
+            )
+        tok_fp = tokenizer_fingerprint or vocab_fingerprint(tokenizer)
+        canonical = json.dumps(
+            {
+                "dataset": DATASET_VERSION,
+                "file_sha256": file_digest(Path(config.path)) if rows is None else None,
+                "rows_sha256": None if rows is None else _rows_digest(all_rows),
+                "config": config.model_dump(exclude={"path"}),
+                "tokenizer": tok_fp,
+                "reward": reward.model_dump(mode="json"),
+            },
+            sort_keys=True,
+            default=str,
+        )
+        digest = hashlib.sha256(canonical.encode()).hexdigest()[:16]
+        self._fingerprint = f"data-v{DATASET_VERSION}-{digest}"
+
+    # ------------------------------------------------------------------ prompts
+
+    def prompt_text(self, number: int, row: Mapping[str, Any]) -> str:
+        """The prompt text of file row ``number`` (template filled, or the prompt field)."""
+        cfg = self.config
+        if cfg.template is not None:
+            try:
+                return cfg.template.format_map(row)
+            except KeyError as exc:
+                raise DatasetError(
+                    f"{cfg.path} row {number}: template field {exc} missing (fields: "
+                    f"{', '.join(sorted(row))})"
+                ) from exc
+            except (IndexError, ValueError) as exc:
+                raise DatasetError(f"template {cfg.template!r}: {exc}") from exc
+        value = row.get(cfg.prompt_field)
+        if not isinstance(value, str):
+            raise DatasetError(
+                f"{cfg.path} row {number}: prompt field {cfg.prompt_field!r} is "
+                f"{'missing' if value is None else type(value).__name__}, not text (fields: "
+                f"{', '.join(sorted(row))})"
+            )
+        return value
+
+    def _tokenize(self, number: int, row: Mapping[str, Any]) -> tuple[int, ...] | None:
+        cfg = self.config
+        text = self.prompt_text(number, row)
+        if cfg.answer_field is not None and row.get(cfg.answer_field) is None:
+            raise DatasetError(
+                f"{cfg.path} row {number}: answer field {cfg.answer_field!r} missing"
+            )
+        if cfg.chat_template:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise DatasetError("dataset.chat_template is set but the tokenizer has none")
+            out = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            )
+            ids = list(out["input_ids"] if isinstance(out, Mapping) else out)
+        else:
+            ids = list(self.tokenizer.encode(text, add_special_tokens=True))
+        if not ids:
+            raise DatasetError(f"{cfg.path} row {number}: prompt {text!r} encodes to no tokens")
+        limit = cfg.max_prompt_tokens
+        if limit is not None and len(ids) > limit:
+            if cfg.too_long == "error":
+                raise DatasetError(
+                    f"{cfg.path} row {number}: prompt is {len(ids)} tokens, over "
+                    f"max_prompt_tokens {limit} (too_long: error)"
+                )
+            if cfg.too_long == "skip":
+                self.stats.too_long_skipped += 1
+                return None
+            self.stats.too_long_truncated += 1
+            # Keep a leading start token and the end of the prompt, where the question and
+            # the answer cue sit.
+            bos = self.tokenizer.bos_token_id
+            if bos is not None and ids[0] == bos and limit > 1:
+                ids = [ids[0], *ids[len(ids) - limit + 1 :]]
+            else:
+                ids = ids[len(ids) - limit :]
+        return tuple(int(t) for t in ids)
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies the file contents, prompt settings, tokenizer and reward."""
+        return self._fingerprint
+
+    @property
+    def num_prompts(self) -> int:
+        """Prompts kept from the file."""
+        return len(self._prompts)
+
+    def _check_index(self, index: int) -> None:
+        if not 0 <= index < len(self._prompts):
+            raise IndexError(f"prompt index {index} outside [0, {len(self._prompts)})")
+
+    def prompt_token_ids(self, index: int) -> list[int]:
+        """Token ids of prompt ``index``."""
+        self._check_index(index)
+        return list(self._prompts[index])
+
+    def example(self, index: int) -> dict[str, Any]:
+        """The dataset row of prompt ``index``."""
+        self._check_index(index)
+        return dict(self._rows[index])
+
+    def answer(self, index: int) -> str | None:
+        """The answer of prompt ``index`` (``None`` without ``answer_field``)."""
+        self._check_index(index)
+        field_name = self.config.answer_field
+        return None if field_name is None else str(self._rows[index][field_name])
+
+    # ------------------------------------------------------------------ passes
+
+    def prompt_key(self, cursor: int, *, seed: int, passes: int | None = None) -> PromptKey:
+        """The ``(pass, index)`` at dispatch position ``cursor`` of a walk over passes, each
+        pass a permutation drawn from ``(seed, pass)`` (see :mod:`.passes`)."""
+        return prompt_at(seed, cursor, self.num_prompts, passes=passes)
+
+    # ------------------------------------------------------------------ reward
+
+    def completion_text(self, completion_token_ids: Sequence[int]) -> str:
+        """The decoded completion: tokens before the first eos, special tokens dropped."""
+        ids = [int(t) for t in completion_token_ids]
+        eos = self.tokenizer.eos_token_id
+        if eos is not None and eos in ids:
+            ids = ids[: ids.index(eos)]
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def score(self, index: int, completion_token_ids: Sequence[int]) -> RewardResult:
+        """The reward of a completion of prompt ``index`` as a result (never raises for a
+        failing reward function)."""
+        self._check_index(index)
+        text = self.completion_text(completion_token_ids)
+        return self._reward.score(text, self.answer(index), self._rows[index])
+
+    def reward(self, index: int, completion_token_ids: Sequence[int]) -> float:
+        """The reward (``PromptSource``), with ``reward.on_error`` applied to a failure:
+        ``zero`` returns 0.0, ``drop_group`` raises :class:`RewardFailedError` (the runtime
+        records it as a failed sibling, without retry). Either way it is counted."""
+        result = self.score(index, completion_token_ids)
+        if result.error is None:
+            assert result.value is not None
+            return result.value
+        self.stats.reward_failures += 1
+        self.stats.reward_errors = [*self.stats.reward_errors[-19:], (index, result.error)]
+        if self.reward_config.on_error == "zero":
+            return 0.0
+        raise RewardFailedError(f"prompt {index}: {result.error}")
+
+
+def _rows_digest(rows: Sequence[Mapping[str, Any]]) -> str:
+    text = json.dumps([dict(r) for r in rows], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+__all__ = [
+    "DATASET_VERSION",
+    "DatasetConfig",
+    "DatasetError",
+    "DatasetFormat",
+    "DatasetStats",
+    "PromptDataset",
+    "TooLong",
+    "file_digest",
+    "load_rows",
+    "vocab_fingerprint",
+]

@@ -1,0 +1,108 @@
+"""Wiring a run config's model and workload: the model directory and the prompt source.
+
+Used by :func:`rolloutlog.grpo.loop.run_training`; kept apart so the loop only asks for
+"the model directory" and "the prompts".
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rolloutlog.controller.config import ConfigError
+from rolloutlog.controller.workloads.dataset import DatasetError, PromptDataset
+from rolloutlog.controller.workloads.rewards import RewardConfig
+from rolloutlog.grpo.model_loader import check_model_dir, tokenizer_fingerprint
+from rolloutlog.grpo.run_config import ModelConfig, RunConfig
+from rolloutlog.grpo.tiny_model import SPEC_MARKER, TinyModelSpec, build_tiny_model
+
+
+def prepare_model_dir(model: ModelConfig) -> Path:
+    """The policy's directory, checked; under ``build: tiny`` the tiny model is built there
+    first unless the directory already holds another model (which is then used as is)."""
+    path = Path(model.dir)
+    if model.build == "tiny":
+        foreign = (path / "config.json").is_file() and not (path / SPEC_MARKER).is_file()
+        if not foreign:
+            build_tiny_model(
+                path,
+                TinyModelSpec(
+                    seed=model.seed, max_position_embeddings=max(128, model.max_model_len)
+                ),
+            )
+    return check_model_dir(path)
+
+
+def check_model_fits(cfg: RunConfig, model: Any) -> None:
+    """Refuse (``ConfigError``) a ``model.max_model_len`` beyond the model's positions,
+    before anything is written to the log."""
+    # HF configs name it differently per architecture; the attribute map resolves it.
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(limit, int) and cfg.model.max_model_len > limit:
+        raise ConfigError(
+            f"model.max_model_len {cfg.model.max_model_len} exceeds the model's "
+            f"{limit} positions ({cfg.model.dir}); set it to at most {limit}"
+        )
+
+
+def dataset_prompts(cfg: RunConfig, tokenizer: Any, model_dir: Path) -> PromptDataset:
+    """The run's dataset as a ``PromptSource``; refuses (``ConfigError``) a dataset that
+    cannot be read or has too few prompts for ``steps`` in one pass."""
+    assert cfg.dataset is not None
+    try:
+        prompts = PromptDataset(
+            cfg.dataset,
+            cfg.reward if cfg.reward is not None else RewardConfig(),
+            tokenizer,
+            tokenizer_fingerprint=tokenizer_fingerprint(model_dir),
+        )
+    except (DatasetError, ValueError) as exc:
+        raise ConfigError(f"dataset: {exc}") from exc
+    longest = max(len(prompts.prompt_token_ids(i)) for i in range(prompts.num_prompts))
+    room = cfg.model.max_model_len - cfg.generation.max_tokens
+    if longest > room:
+        raise ConfigError(
+            f"dataset: the longest prompt is {longest} tokens but model.max_model_len "
+            f"{cfg.model.max_model_len} - generation.max_tokens {cfg.generation.max_tokens} "
+            f"leaves {room}; set dataset.max_prompt_tokens (with too_long: skip or truncate)"
+        )
+    gps = cfg.rollout.groups_per_step
+    if cfg.steps * gps > prompts.num_prompts * cfg.passes:
+        raise ConfigError(
+            f"dataset {cfg.dataset.path} has {prompts.num_prompts} prompts: {cfg.steps} steps "
+            f"of {gps} groups need {cfg.steps * gps} prompts; set steps to at most "
+            f"{prompts.num_prompts * cfg.passes // gps}"
+        )
+    return prompts
+
+
+def run_summary(cfg: RunConfig, run_id: str, workload: dict[str, Any]) -> dict[str, Any]:
+    """The final summary of a run, counted from its log (all processes of the run):
+    mean reward of the first and last three trained steps, prompts trained, trained twice
+    and dropped, plus this process's dataset and reward counts."""
+    from rolloutlog.controller.prompt_ledger import build_ledger
+    from rolloutlog.eventstore import EventStore
+
+    store = EventStore.open(cfg.store.url)
+    try:
+        ledger = build_ledger(store, run_id)
+    finally:
+        store.close()
+    rewards = [ledger.step_rewards[s] for s in sorted(ledger.step_rewards)]
+    k = min(3, len(rewards))
+    return {
+        "event": "summary",
+        "run_id": run_id,
+        "steps_trained": len(rewards),
+        "reward_first": sum(rewards[:k]) / k if k else 0.0,
+        "reward_last": sum(rewards[-k:]) / k if k else 0.0,
+        "rewards": rewards,
+        "prompts_trained": len(ledger.trained),
+        # Single pass: a prompt's identity is its dataset index (phase B: (pass, index)).
+        "prompts_trained_twice": len(ledger.trained_twice),
+        "prompts_dropped": len(ledger.dropped),
+        **workload,
+    }
+
+
+__all__ = ["check_model_fits", "dataset_prompts", "prepare_model_dir", "run_summary"]
