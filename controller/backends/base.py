@@ -90,6 +90,8 @@ class SiblingResult:
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: str  # "stop" | "length"
+    #: Which engine generated it (set by the HTTP/fleet backends; None in-process).
+    engine_id: str | None = None
 
 
 @runtime_checkable

@@ -20,6 +20,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "audit": ("rolloutlog.cli.audit", "audit"),
     "replay": ("rolloutlog.cli.replay", "replay"),
     "compact": ("rolloutlog.cli.compact", "compact"),
+    "engines": ("rolloutlog.cli.engines", "engines"),
 }
 
 

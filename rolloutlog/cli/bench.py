@@ -116,3 +116,7 @@ bench.add_command(domain)
 from .bench_scale import scale  # noqa: E402
 
 bench.add_command(scale)
+
+from .bench_fleet import fleet  # noqa: E402
+
+bench.add_command(fleet)

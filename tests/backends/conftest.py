@@ -141,7 +141,167 @@ def _deterministic(tiny_model_dir: Path) -> DeterministicBackend:
     return backend
 
 
-@pytest.fixture(params=["deterministic", "torch", pytest.param("vllm", marks=pytest.mark.vllm)])
+def _free_port_pair() -> int:
+    """A port p with p and p + 1 free on loopback (the two engine servers)."""
+    import random
+    import socket
+
+    for _ in range(100):
+        base = random.randint(20_000, 40_000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", base))
+                b.bind(("127.0.0.1", base + 1))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no two free loopback ports")
+
+
+@pytest.fixture(scope="session")
+def vllm_server_engines(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
+    """TWO real vLLM OpenAI servers on loopback for the session (stopped at its end)."""
+    reason = vllm_missing_reason()
+    if reason is not None:
+        _vllm_unavailable(reason)
+    from rolloutlog.controller.engines.config import LaunchConfig
+    from rolloutlog.controller.engines.local import LocalEngineLauncher
+
+    config = LaunchConfig(
+        count=2,
+        model_dir=tiny_model_dir,
+        port_base=_free_port_pair(),
+        max_model_len=MAX_MODEL_LEN,
+        extra_args=("--block-size", "32", "--enable-prefix-caching"),
+        ready_timeout_s=600,
+        stop_timeout_s=15,
+        log_dir=tmp_path_factory.mktemp("engine-logs"),
+    )
+    launcher = LocalEngineLauncher(config)
+    try:
+        launcher.start()
+        yield launcher
+    finally:
+        launcher.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_server_session_backend(
+    vllm_server_engines: Any, tiny_model_dir: Path, run: Runner
+) -> Iterator[GenerationBackend]:
+    """The HTTP client of engine 0."""
+    from rolloutlog.controller.backends.vllm_server import VLLMServerBackend
+
+    backend = VLLMServerBackend(
+        vllm_server_engines.engines[0].url,
+        model_dir=tiny_model_dir,
+        max_model_len=MAX_MODEL_LEN,
+        engine_id="engine-0",
+    )
+    run(backend.start())
+    yield backend
+    run(backend.close())
+
+
+@pytest.fixture(scope="session")
+def vllm_fleet_session_backend(
+    vllm_server_engines: Any, tiny_model_dir: Path, run: Runner
+) -> Iterator[GenerationBackend]:
+    """A fleet over both engines."""
+    from rolloutlog.controller.backends.fleet import FleetBackend
+    from rolloutlog.controller.backends.vllm_server import VLLMServerBackend
+
+    backend = FleetBackend(
+        [
+            VLLMServerBackend(
+                e.url, model_dir=tiny_model_dir, max_model_len=MAX_MODEL_LEN, engine_id=e.engine_id
+            )
+            for e in vllm_server_engines.engines
+        ],
+        model_dir=tiny_model_dir,
+    )
+    run(backend.start())
+    yield backend
+    run(backend.close())
+
+
+#: Backends (by id) that run no model: the contract's model-specific checks skip them.
+MODEL_LESS: set[int] = set()
+
+
+def serves_model(backend: GenerationBackend) -> bool:
+    """Whether a real model generates behind ``backend`` (not the deterministic one)."""
+    return backend.name != "deterministic" and id(backend) not in MODEL_LESS
+
+
+@pytest.fixture(scope="session")
+def fake_engine_session_backend(tiny_model_dir: Path, run: Runner) -> Iterator[GenerationBackend]:
+    """The HTTP client of one fake engine (the fleet benchmark's engine) on loopback."""
+    from rolloutlog.controller.backends.fake_engine import FakeEngineServer
+    from rolloutlog.controller.backends.vllm_server import VLLMServerBackend
+
+    server = FakeEngineServer(
+        make_backend("deterministic", model_dir=tiny_model_dir, max_model_len=MAX_MODEL_LEN),
+        latency=lambda group: 30.0 if group >= SLOW_GROUP_BASE else 0.0,
+        max_model_len=MAX_MODEL_LEN,
+    )
+    run(server.start())
+    backend = VLLMServerBackend(server.url, model_dir=tiny_model_dir, engine_id="fake-0")
+    run(backend.start())
+    MODEL_LESS.add(id(backend))
+    yield backend
+    run(backend.close())
+    run(server.stop())
+
+
+@pytest.fixture(scope="session")
+def fake_fleet_session_backend(tiny_model_dir: Path, run: Runner) -> Iterator[GenerationBackend]:
+    """A fleet over two fake engines on loopback."""
+    from rolloutlog.controller.backends.fake_engine import FakeEngineServer
+    from rolloutlog.controller.backends.fleet import FleetBackend
+    from rolloutlog.controller.backends.vllm_server import VLLMServerBackend
+
+    servers = [
+        FakeEngineServer(
+            make_backend("deterministic", model_dir=tiny_model_dir, max_model_len=MAX_MODEL_LEN),
+            latency=lambda group: 30.0 if group >= SLOW_GROUP_BASE else 0.0,
+            max_model_len=MAX_MODEL_LEN,
+        )
+        for _ in range(2)
+    ]
+    for server in servers:
+        run(server.start())
+    backend = FleetBackend(
+        [
+            VLLMServerBackend(s.url, model_dir=tiny_model_dir, engine_id=f"fake-{i}")
+            for i, s in enumerate(servers)
+        ],
+        model_dir=tiny_model_dir,
+    )
+    run(backend.start())
+    MODEL_LESS.add(id(backend))
+    yield backend
+    run(backend.close())
+    for server in servers:
+        run(server.stop())
+
+
+_SLOW_VLLM = (pytest.mark.vllm, pytest.mark.slow)
+
+
+@pytest.fixture(
+    params=[
+        "deterministic",
+        "torch",
+        pytest.param("vllm", marks=pytest.mark.vllm),
+        "fake_engine",
+        "fake_fleet",
+        pytest.param("vllm_server", marks=_SLOW_VLLM),
+        pytest.param("vllm_fleet", marks=_SLOW_VLLM),
+    ]
+)
 def backend(
     request: pytest.FixtureRequest,
     tiny_model_dir: Path,
@@ -167,7 +327,14 @@ def backend(
         run(backend.update_weights(base_weights.items(), backend.weight_version + 1))
 
 
-@pytest.fixture(params=["torch", pytest.param("vllm", marks=pytest.mark.vllm)])
+@pytest.fixture(
+    params=[
+        "torch",
+        pytest.param("vllm", marks=pytest.mark.vllm),
+        pytest.param("vllm_server", marks=_SLOW_VLLM),
+        pytest.param("vllm_fleet", marks=_SLOW_VLLM),
+    ]
+)
 def model_backend(
     request: pytest.FixtureRequest, base_weights: dict[str, torch.Tensor], run: Runner
 ) -> Iterator[GenerationBackend]:

@@ -1,0 +1,707 @@
+"""Generation on ONE OpenAI-compatible vLLM server over HTTP (``[fleet]`` extra: httpx).
+
+The server is ``python -m vllm.entrypoints.openai.api_server`` started with
+``VLLM_SERVER_DEV_MODE=1`` (for ``/abort_requests``, ``/collective_rpc`` and
+``/reset_prefix_cache``). What this client uses of it (vLLM 0.32):
+
+- ``POST /v1/completions`` with ``prompt`` as a list of token ids, ``logprobs: 0``
+  (the sampled token's raw logprob, vLLM's default ``raw_logprobs`` mode, the same
+  quantity as the in-process backends), ``return_token_ids: true`` (the response's
+  ``choices[0].token_ids``), ``seed`` (per sibling, :func:`sibling_seed`) and the
+  header ``X-Request-Id``. The server names the request ``cmpl-{X-Request-Id}-0``
+  inside its engine; that is the id ``/abort_requests`` takes.
+- ``POST /abort_requests`` (dev mode; ``/inference/v1/abort_requests`` otherwise) to
+  abort a sibling, in addition to closing its HTTP request (the server aborts a
+  request whose client disconnects).
+- ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}``
+  to load new weights from a directory of safetensors written by the trainer (the
+  weight update that works on the CPU), then ``POST /reset_prefix_cache``, then
+  ``POST /update_weight_version`` (the engine's weight tag, ``rolloutlog-v{version}``)
+  read back with ``GET /weight_info``.
+- ``GET /health`` (liveness), ``GET /v1/models`` (``max_model_len``).
+
+Errors: a transport error or timeout is :class:`EngineTransportError` (retryable: a new
+attempt, on this or another engine, may succeed); an HTTP 4xx is a non-retryable
+:class:`BackendError` and is never retried; a 5xx is retryable.
+
+Weight updates are not idempotent from the client's point of view: a call whose
+outcome is unknown (timeout, dropped connection, 5xx) leaves the engine's weights
+*unknown* (:attr:`VLLMServerBackend.weights_known` is False), and the backend refuses to
+generate until :meth:`VLLMServerBackend.load_weights_dir` succeeds. Nothing is retried
+blindly. Each load is tagged with its version: the directory's name and manifest
+``rolloutlog_weights.json`` (checked before the call) and the engine's own weight tag
+(set and read back after it). A restarted engine reports vLLM's start-up tag again,
+so :meth:`VLLMServerBackend.verify_weights` tells a restart from a network blip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rolloutlog.controller.backends._gate import DrainGate
+from rolloutlog.controller.backends.base import (
+    BackendAbortedError,
+    BackendError,
+    BackendUnavailableError,
+    GroupRequest,
+    SiblingResult,
+    SiblingSpec,
+    validate_request,
+    validate_results,
+    validate_weight_update,
+)
+from rolloutlog.controller.backends.torch_backend import sibling_seed
+
+#: The manifest written next to the weights of one version.
+MANIFEST = "rolloutlog_weights.json"
+#: The weight version tag a vLLM engine reports before anyone set one.
+STARTUP_TAG = "default"
+
+
+def weight_tag(version: int) -> str:
+    """The tag an engine carries (``/update_weight_version``) once it holds ``version``."""
+    return f"rolloutlog-v{version}"
+
+
+class EngineTransportError(BackendError):
+    """The engine could not be reached, or did not answer in time (retryable)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retryable=True)
+
+
+def _httpx() -> Any:
+    try:
+        import httpx
+    except ImportError as exc:  # the [fleet] extra is not installed
+        raise BackendUnavailableError(
+            "httpx is not importable; install the fleet extra: pip install 'rolloutlog[fleet]'"
+        ) from exc
+    return httpx
+
+
+def write_weights_dir(
+    tensors: Mapping[str, torch.Tensor], version: int, root: Path, dtype: torch.dtype
+) -> Path:
+    """Write one version's tensors as ``root/v{version}-{nonce}/model.safetensors``.
+
+    The directory is written under a temporary name and renamed into place, so an
+    engine never reads a half-written checkpoint. A manifest records the version.
+    """
+    from safetensors.torch import save_file
+
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"v{version}-{uuid.uuid4().hex[:8]}"
+    tmp = root / f".tmp-{final.name}"
+    tmp.mkdir()
+    save_file(
+        {
+            name: t.detach().to(device="cpu", dtype=dtype).contiguous().clone()
+            for name, t in tensors.items()
+        },
+        str(tmp / "model.safetensors"),
+    )
+    (tmp / MANIFEST).write_text(json.dumps({"version": version, "tensors": len(tensors)}))
+    os.replace(tmp, final)
+    return final
+
+
+def read_manifest_version(weights_dir: Path) -> int:
+    """The version a weights directory was written for (raises a clear error if none)."""
+    manifest = Path(weights_dir) / MANIFEST
+    try:
+        return int(json.loads(manifest.read_text())["version"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise BackendError(
+            f"{weights_dir}: not a rolloutlog weights directory ({MANIFEST} unreadable: {exc})",
+            retryable=False,
+        ) from exc
+
+
+class VLLMServerBackend:
+    """The :class:`~rolloutlog.controller.backends.base.GenerationBackend` of one vLLM HTTP server.
+
+    Args:
+        base_url: the server, e.g. ``http://127.0.0.1:8100``.
+        model_dir: a local copy of the served model (vocabulary size and the
+            checkpoint's weight names and shapes, for the strict weight checks). Without
+            it give ``vocab_size`` (and optionally ``weight_shapes``).
+        max_model_len: longest prompt + ``max_tokens``; default: the server's.
+        seed: mixed into each sibling's sampling seed (as in the other backends).
+        weight_version: the version of the weights the server was started with.
+        weights_root: where :meth:`update_weights` writes each version's weights; the
+            server must read the same path (a shared filesystem for remote engines).
+            Default: a temporary directory removed by :meth:`close`.
+        request_timeout: seconds one sibling's completion may take.
+        control_timeout: seconds a weight reload or an abort may take.
+        health_timeout: seconds one ``/health`` probe may take.
+        engine_id: the name results carry in ``engine_id`` (default: the URL).
+        transport: an httpx transport (tests, in-process fake engines).
+    """
+
+    name = "vllm-server"
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        model_dir: str | Path | None = None,
+        max_model_len: int | None = None,
+        vocab_size: int | None = None,
+        weight_shapes: Mapping[str, tuple[int, ...]] | None = None,
+        seed: int = 0,
+        weight_version: int = 0,
+        weights_root: str | Path | None = None,
+        request_timeout: float = 120.0,
+        control_timeout: float = 120.0,
+        health_timeout: float = 5.0,
+        dtype: str = "float32",
+        engine_id: str | None = None,
+        transport: Any = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.engine_id = engine_id or self.base_url
+        self.model_dir = None if model_dir is None else Path(model_dir)
+        self.max_model_len = 0 if max_model_len is None else int(max_model_len)
+        self._requested_max_model_len = max_model_len
+        self._vocab_size = 0 if vocab_size is None else int(vocab_size)
+        self._shapes: dict[str, tuple[int, ...]] | None = (
+            None if weight_shapes is None else dict(weight_shapes)
+        )
+        self.seed = seed
+        self.request_timeout = request_timeout
+        self.control_timeout = control_timeout
+        self.health_timeout = health_timeout
+        self._torch_dtype: torch.dtype = getattr(torch, dtype)
+        self._weight_version = weight_version
+        self._startup_version = weight_version
+        self._weights_known = True
+        self._weights_root = None if weights_root is None else Path(weights_root)
+        self._own_root = weights_root is None
+        self._transport = transport
+        self._client: Any = None
+        self._model_name: str | None = None
+        self._gate = DrainGate()
+        self._inflight: dict[int, list[_Running]] = {}
+        self._nonce = uuid.uuid4().hex[:8]
+        self._ids = itertools.count()
+        self._closed = False
+        self._written: list[Path] = []
+
+    # --- properties ----------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size (known once started)."""
+        return self._vocab_size
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the weights the server holds (last confirmed load)."""
+        return self._weight_version
+
+    @property
+    def weights_known(self) -> bool:
+        """False after a weight load whose outcome is unknown (the engine must be refit)."""
+        return self._weights_known
+
+    @property
+    def outstanding(self) -> int:
+        """Sibling requests in flight on this server (the fleet's routing load)."""
+        return sum(len(run.tasks) for runs in self._inflight.values() for run in runs)
+
+    @property
+    def weight_shapes(self) -> dict[str, tuple[int, ...]] | None:
+        """The checkpoint's weight names and shapes (strict weight checks), if known."""
+        return self._shapes
+
+    def forget_weights(self) -> None:
+        """Mark the server's weights unknown (it may have restarted): refit before serving."""
+        self._weights_known = False
+
+    def in_flight_groups(self) -> set[int]:
+        """Group ids with a ``generate`` call in progress."""
+        return {g for g, runs in self._inflight.items() if runs}
+
+    def in_flight_request_ids(self) -> list[str]:
+        """The sibling request ids (``g{group}-s{sibling}-a{attempt}``) in flight."""
+        return [rid for runs in self._inflight.values() for run in runs for rid in run.ids]
+
+    # --- life cycle ----------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect: the server must answer ``/health`` and ``/v1/models`` in time."""
+        if self._closed:
+            raise BackendUnavailableError(f"{self.engine_id}: backend is closed")
+        if self._client is not None:
+            return
+        httpx = _httpx()
+        if self.model_dir is not None:
+            from rolloutlog.controller.backends.vllm_backend import checkpoint_shapes
+
+            config_file = self.model_dir / "config.json"
+            if not config_file.is_file():
+                raise BackendUnavailableError(f"no model at {self.model_dir} (config.json missing)")
+            config = json.loads(config_file.read_text())
+            self._vocab_size = self._vocab_size or int(config["vocab_size"])
+            if self._shapes is None:
+                self._shapes = checkpoint_shapes(self.model_dir)
+        if self._vocab_size <= 0:
+            raise BackendUnavailableError(f"{self.engine_id}: give model_dir or vocab_size")
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url,
+            transport=self._transport,
+            timeout=httpx.Timeout(self.request_timeout, connect=self.health_timeout),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+        try:
+            if not await self.check_health():
+                raise BackendUnavailableError(f"{self.engine_id}: /health did not answer 200")
+            models = await self._client.get("/v1/models", timeout=self.health_timeout)
+        except (httpx.TransportError, httpx.TimeoutException) as exc:
+            await self._drop_client()
+            raise BackendUnavailableError(
+                f"{self.engine_id}: cannot reach the server: {type(exc).__name__}: {exc}"
+            ) from exc
+        except BackendUnavailableError:
+            await self._drop_client()
+            raise
+        if models.status_code != 200:
+            await self._drop_client()
+            raise BackendUnavailableError(
+                f"{self.engine_id}: /v1/models answered {models.status_code}"
+            )
+        data = models.json().get("data") or [{}]
+        self._model_name = data[0].get("id")
+        served = data[0].get("max_model_len")
+        if self._requested_max_model_len is None:
+            if not isinstance(served, int):
+                await self._drop_client()
+                raise BackendUnavailableError(
+                    f"{self.engine_id}: server reports no max_model_len; give max_model_len"
+                )
+            self.max_model_len = served
+        elif isinstance(served, int) and served < self.max_model_len:
+            await self._drop_client()
+            raise BackendUnavailableError(
+                f"{self.engine_id}: server max_model_len {served} < configured {self.max_model_len}"
+            )
+
+    async def _drop_client(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+    async def check_health(self, timeout: float | None = None) -> bool:
+        """One ``/health`` probe with a deadline: True on 200, False otherwise."""
+        httpx = _httpx()
+        client = self._client_or_raise()
+        try:
+            resp = await client.get("/health", timeout=timeout or self.health_timeout)
+        except (httpx.TransportError, httpx.TimeoutException):
+            return False
+        return resp.status_code == 200
+
+    async def close(self) -> None:
+        """Abort what is in flight, close the HTTP client, remove our weight copies."""
+        for group_id in list(self._inflight):
+            await self.abort(group_id)
+        self._closed = True
+        await self._drop_client()
+        if self._own_root and self._weights_root is not None:
+            shutil.rmtree(self._weights_root, ignore_errors=True)
+
+    def _client_or_raise(self) -> Any:
+        if self._closed:
+            raise BackendUnavailableError(f"{self.engine_id}: backend is closed")
+        if self._client is None:
+            raise BackendUnavailableError(f"{self.engine_id}: backend is not started")
+        return self._client
+
+    # --- generation ----------------------------------------------------------------
+
+    async def generate(self, request: GroupRequest) -> list[SiblingResult]:
+        """One completion per sibling; results in the order of ``request.siblings``."""
+        self._client_or_raise()
+        validate_request(request, self._vocab_size, self.max_model_len)
+        return await self.generate_at(request, None)
+
+    async def generate_at(self, request: GroupRequest, version: int | None) -> list[SiblingResult]:
+        """Generate only if the server holds weight ``version`` (``None``: whatever it holds).
+
+        The fleet calls this with the version a sibling is dispatched with; a server
+        holding other (or unknown) weights raises :class:`EngineStaleError` before
+        anything is sent.
+        """
+        client = self._client_or_raise()
+        validate_request(request, self._vocab_size, self.max_model_len)
+        run = _Running()
+        self._inflight.setdefault(request.group_id, []).append(run)
+        try:
+            async with self._gate.generating():
+                self._client_or_raise()
+                if run.aborted:
+                    raise BackendAbortedError(f"group {request.group_id}: request aborted")
+                if not self._weights_known:
+                    raise EngineStaleError(
+                        f"{self.engine_id}: weights unknown after a failed load; refit first"
+                    )
+                if version is not None and version != self._weight_version:
+                    raise EngineStaleError(
+                        f"{self.engine_id}: holds weight version {self._weight_version}, "
+                        f"request needs {version}"
+                    )
+                served = self._weight_version
+                for spec in request.siblings:
+                    run.ids.append(f"{request.request_id(spec)}-{self._nonce}-{next(self._ids)}")
+                run.tasks = [
+                    asyncio.ensure_future(self._one(client, request, spec, rid, served))
+                    for spec, rid in zip(request.siblings, run.ids, strict=True)
+                ]
+                try:
+                    await asyncio.wait(run.tasks, return_when=asyncio.FIRST_EXCEPTION)
+                finally:
+                    pending = [t for t in run.tasks if not t.done()]
+                    for task in pending:
+                        task.cancel()  # closes the HTTP request; the server aborts it
+                    if pending:
+                        await asyncio.gather(*pending, return_exceptions=True)
+                        await self._abort_on_server(
+                            [rid for t, rid in zip(run.tasks, run.ids, strict=True) if t in pending]
+                        )
+                # Retrieve every failure (several siblings may fail at once, e.g. when the
+                # engine dies), so none is reported as "never retrieved".
+                failures = [t.exception() for t in run.tasks if not t.cancelled()]
+                if run.aborted:
+                    raise BackendAbortedError(f"group {request.group_id}: request aborted")
+                for failure in failures:  # a real failure first, then cancellations
+                    if failure is not None:
+                        raise failure
+                if any(task.cancelled() for task in run.tasks):
+                    raise BackendAbortedError(f"group {request.group_id}: request aborted")
+                results = [task.result() for task in run.tasks]
+        finally:
+            runs = self._inflight.get(request.group_id, [])
+            if run in runs:
+                runs.remove(run)
+            if not runs:
+                self._inflight.pop(request.group_id, None)
+        results = validate_results(request, results, self._vocab_size)
+        return [replace(r, engine_id=self.engine_id) for r in results]
+
+    async def _one(
+        self, client: Any, request: GroupRequest, spec: SiblingSpec, rid: str, version: int
+    ) -> SiblingResult:
+        httpx = _httpx()
+        sampling = request.sampling
+        body: dict[str, Any] = {
+            "prompt": list(request.prompt_token_ids),
+            "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "seed": sibling_seed(self.seed, request, spec),
+            "logprobs": 0,
+            "return_token_ids": True,
+            "n": 1,
+            "stream": False,
+        }
+        if self._model_name is not None:
+            body["model"] = self._model_name
+        who = f"{self.engine_id} {rid}"
+        try:
+            resp = await client.post(
+                "/v1/completions",
+                json=body,
+                headers={"X-Request-Id": rid},
+                timeout=self.request_timeout,
+            )
+        except httpx.TimeoutException as exc:
+            await self._abort_on_server([rid])
+            raise EngineTransportError(
+                f"{who}: no answer within {self.request_timeout} s ({type(exc).__name__})"
+            ) from exc
+        except httpx.TransportError as exc:
+            raise EngineTransportError(
+                f"{who}: transport error: {type(exc).__name__}: {exc}"
+            ) from exc
+        if 400 <= resp.status_code < 500:
+            raise BackendError(
+                f"{who}: server rejected the request ({resp.status_code}): {resp.text[:300]}",
+                retryable=False,
+            )
+        if resp.status_code != 200:
+            raise BackendError(
+                f"{who}: server error {resp.status_code}: {resp.text[:300]}", retryable=True
+            )
+        return _parse_completion(resp.json(), request, spec, version, who)
+
+    async def abort(self, group_id: int) -> None:
+        """Abort the in-flight requests of ``group_id``; their ``generate`` raises aborted."""
+        ids: list[str] = []
+        for run in self._inflight.get(group_id, []):
+            run.aborted = True
+            ids.extend(run.ids)
+            for task in run.tasks:
+                task.cancel()
+        if ids:
+            await self._abort_on_server(ids)
+
+    async def _abort_on_server(self, rids: list[str]) -> None:
+        """Best effort: the server also aborts a request whose connection closed."""
+        if not rids or self._client is None:
+            return
+        httpx = _httpx()
+        body = {"request_ids": [f"cmpl-{rid}-0" for rid in rids]}
+        for path in ("/abort_requests", "/inference/v1/abort_requests"):
+            try:
+                resp = await self._client.post(path, json=body, timeout=self.health_timeout)
+            except (httpx.TransportError, httpx.TimeoutException):
+                return  # unreachable: nothing runs there any more that we wait for
+            if resp.status_code != 404:
+                return
+
+    # --- weights -------------------------------------------------------------------
+
+    async def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None:
+        """Write the tensors to a versioned directory and load it (strict names).
+
+        Waits for in-flight requests; requests arriving meanwhile wait and are served
+        with the new weights.
+        """
+        self._client_or_raise()
+        tensors = validate_weight_update(named_tensors, version, self._shapes)
+        path = write_weights_dir(tensors, version, self.weights_root(), self._torch_dtype)
+        self._written.append(path)
+        try:
+            await self.load_weights_dir(path, version)
+        finally:
+            self._prune_written(keep=path)
+
+    def weights_root(self) -> Path:
+        """The directory weight versions are written under (created on first use)."""
+        if self._weights_root is None:
+            self._weights_root = Path(tempfile.mkdtemp(prefix="rolloutlog-weights-"))
+        return self._weights_root
+
+    def _prune_written(self, keep: Path) -> None:
+        for old in [p for p in self._written if p != keep]:
+            shutil.rmtree(old, ignore_errors=True)
+            self._written.remove(old)
+
+    async def control(self, method: str, path: str, json: Any = None) -> int:
+        """One control call (e.g. ``POST /pause``); returns the HTTP status.
+
+        Transport errors raise :class:`EngineTransportError`; never retried here.
+        """
+        httpx = _httpx()
+        client = self._client_or_raise()
+        try:
+            resp = await client.request(method, path, json=json, timeout=self.control_timeout)
+        except (httpx.TransportError, httpx.TimeoutException) as exc:
+            raise EngineTransportError(
+                f"{self.engine_id}: {method} {path}: {type(exc).__name__}: {exc}"
+            ) from exc
+        return int(resp.status_code)
+
+    async def load_weights_dir(
+        self, weights_dir: str | Path, version: int, *, check_manifest: bool = True
+    ) -> None:
+        """Make the server load ``weights_dir`` (written for ``version``), then tag it.
+
+        Checked: the directory's manifest must name ``version`` (``check_manifest=False``
+        for a model directory, e.g. back to the start-up weights). Drains in-flight
+        requests first. Not retried: if the outcome is unknown (transport error,
+        timeout, 5xx) the weights become unknown and :class:`BackendError` is raised;
+        call this again (a deliberate refit) to make the engine usable.
+        """
+        httpx = _httpx()
+        client = self._client_or_raise()
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise BackendError(f"weight version {version!r} must be an int >= 0", retryable=False)
+        written_for = read_manifest_version(Path(weights_dir)) if check_manifest else version
+        if written_for != version:
+            raise BackendError(
+                f"{weights_dir} holds weight version {written_for}, not {version}",
+                retryable=False,
+            )
+        body = {
+            "method": "reload_weights",
+            "kwargs": {"weights_path": str(weights_dir)},
+            "timeout": self.control_timeout,
+        }
+        async with self._gate.swapping():
+            try:
+                resp = await client.post(
+                    "/collective_rpc", json=body, timeout=self.control_timeout + 5
+                )
+            except (httpx.TransportError, httpx.TimeoutException) as exc:
+                self._weights_known = False
+                raise BackendError(
+                    f"{self.engine_id}: weight load of version {version} has an unknown "
+                    f"outcome ({type(exc).__name__}: {exc}); refit before serving",
+                    retryable=False,
+                ) from exc
+            if 400 <= resp.status_code < 500:  # refused before anything was loaded
+                raise BackendError(
+                    f"{self.engine_id}: weight load of version {version} refused "
+                    f"({resp.status_code}): {resp.text[:300]} (is VLLM_SERVER_DEV_MODE=1 set?)",
+                    retryable=False,
+                )
+            if resp.status_code != 200:
+                self._weights_known = False
+                raise BackendError(
+                    f"{self.engine_id}: weight load of version {version} failed "
+                    f"({resp.status_code}): {resp.text[:300]}; refit before serving",
+                    retryable=False,
+                )
+            await self._reset_prefix_cache(client, version)
+            await self._tag(client, version)
+            self._weight_version = version
+            self._weights_known = True
+
+    async def _tag(self, client: Any, version: int) -> None:
+        """Tag the engine with ``version`` (``/update_weight_version``) and read it back.
+
+        The tag lives in the engine process: a restarted engine reports vLLM's start-up
+        tag (``"default"``) again, which is how :meth:`verify_weights` tells a restart
+        from a blip. A server without the endpoints (404) is used untagged.
+        """
+        httpx = _httpx()
+        tag = weight_tag(version)
+        try:
+            resp = await client.post(
+                "/update_weight_version", json={"new_version": tag}, timeout=self.health_timeout
+            )
+            if resp.status_code == 404:
+                return
+            held = await self.served_weight_tag()
+        except (httpx.TransportError, httpx.TimeoutException) as exc:
+            self._weights_known = False
+            raise BackendError(
+                f"{self.engine_id}: could not tag weight version {version} "
+                f"({type(exc).__name__}: {exc}); refit before serving",
+                retryable=False,
+            ) from exc
+        if resp.status_code != 200 or held != tag:  # someone else tagged it, or it restarted
+            self._weights_known = False
+            raise BackendError(
+                f"{self.engine_id}: weight version tag check failed after loading version "
+                f"{version} (status {resp.status_code}, engine reports {held!r})",
+                retryable=False,
+            )
+
+    async def served_weight_tag(self) -> str | None:
+        """The weight version tag the engine reports (``GET /weight_info``), or None."""
+        client = self._client_or_raise()
+        resp = await client.get("/weight_info", timeout=self.health_timeout)
+        if resp.status_code != 200:
+            return None
+        value = resp.json().get("weight_version")
+        return None if value is None else str(value)
+
+    async def verify_weights(self) -> bool:
+        """Whether the engine still holds the weights this client believes it holds.
+
+        True if its tag names our version (or, before any load of ours, is vLLM's
+        start-up tag and we hold the start-up version). On False the weights become
+        unknown: refit before serving. Without tagging support, always False.
+        """
+        httpx = _httpx()
+        try:
+            held = await self.served_weight_tag()
+        except (httpx.TransportError, httpx.TimeoutException, ValueError):
+            held = None
+        ok = (
+            self._weights_known
+            and held is not None
+            and (
+                held == weight_tag(self._weight_version)
+                or (held == STARTUP_TAG and self._weight_version == self._startup_version)
+            )
+        )
+        if not ok:
+            self._weights_known = False
+        return bool(ok)
+
+    async def _reset_prefix_cache(self, client: Any, version: int) -> None:
+        """Cached KV blocks were computed with the old weights: drop them (idempotent)."""
+        httpx = _httpx()
+        deadline = time.monotonic() + self.control_timeout
+        while True:
+            try:
+                resp = await client.post("/reset_prefix_cache", timeout=self.health_timeout)
+                ok = resp.status_code == 200 and bool(resp.json().get("success", True))
+            except (httpx.TransportError, httpx.TimeoutException, ValueError):
+                ok = False
+            if ok:
+                return
+            if time.monotonic() > deadline:
+                self._weights_known = False
+                raise BackendError(
+                    f"{self.engine_id}: prefix cache not reset after loading version "
+                    f"{version}; refit before serving",
+                    retryable=False,
+                )
+            await asyncio.sleep(0.05)  # blocks still held: the reset may be retried
+
+
+class EngineStaleError(BackendError):
+    """The engine does not hold the weight version the request needs (retryable elsewhere)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retryable=True)
+
+
+def _parse_completion(
+    payload: Any, request: GroupRequest, spec: SiblingSpec, version: int, who: str
+) -> SiblingResult:
+    """A ``/v1/completions`` response as a :class:`SiblingResult` (shape checked)."""
+    try:
+        choice = payload["choices"][0]
+        token_ids = tuple(int(t) for t in choice["token_ids"])
+        finish = choice["finish_reason"]
+        raw = (choice.get("logprobs") or {}).get("token_logprobs") or []
+        logprobs = tuple(-math.inf if lp is None else float(lp) for lp in raw)
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise BackendError(
+            f"{who}: malformed completion response ({type(exc).__name__}: {exc})",
+            retryable=True,
+        ) from exc
+    if finish == "abort":
+        raise BackendAbortedError(f"{who}: aborted by the engine")
+    return SiblingResult(
+        group_id=request.group_id,
+        sibling=spec.sibling,
+        attempt=spec.attempt,
+        weight_version=version,
+        token_ids=token_ids,
+        logprobs=logprobs,
+        finish_reason=str(finish),
+    )
+
+
+class _Running:
+    """One in-flight ``generate`` call: its sibling tasks, their ids, whether aborted."""
+
+    __slots__ = ("aborted", "ids", "tasks")
+
+    def __init__(self) -> None:
+        self.tasks: list[asyncio.Task[SiblingResult]] = []
+        self.ids: list[str] = []
+        self.aborted = False

@@ -1,0 +1,127 @@
+"""``rolloutlog engines``: start and stop local vLLM OpenAI server engines.
+
+``engines start`` launches ``--count`` servers (each in its own process group, left
+running when the command exits), waits until every one answers ``/health``, prints
+their URLs (one a line, or ``--json``) and records them in ``--state-file``;
+``engines stop`` stops them (SIGTERM to each group, SIGKILL after a deadline).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+_STATE = Path(".rolloutlog-engines.json")
+
+
+@click.group()
+def engines() -> None:
+    """Generation engines (vLLM OpenAI servers) for a fleet."""
+
+
+@engines.command("start")
+@click.option("--count", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--model",
+    "model_dir",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Local model directory every engine serves.",
+)
+@click.option("--port-base", default=8100, show_default=True, help="Engine i gets port_base+i.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--max-model-len", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--dtype", default="float32", show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--ready-timeout", default=300.0, show_default=True, help="Seconds to /health 200.")
+@click.option(
+    "--log-dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="Engine logs."
+)
+@click.option(
+    "--state-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=_STATE,
+    show_default=True,
+    help="Where the started engines are recorded (for `engines stop`).",
+)
+@click.option("--engine-arg", "extra_args", multiple=True, help="Extra api_server argument.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def start(
+    count: int,
+    model_dir: Path,
+    port_base: int,
+    host: str,
+    max_model_len: int,
+    dtype: str,
+    seed: int,
+    ready_timeout: float,
+    log_dir: Path | None,
+    state_file: Path,
+    extra_args: tuple[str, ...],
+    as_json: bool,
+) -> None:
+    """Start COUNT vLLM servers on MODEL and print their URLs."""
+    from pydantic import ValidationError
+
+    from rolloutlog.controller.engines.config import LaunchConfig
+    from rolloutlog.controller.engines.local import EngineLaunchError, LocalEngineLauncher
+
+    if state_file.exists():
+        raise click.ClickException(
+            f"{state_file} exists: engines may be running; `rolloutlog engines stop "
+            f"--state-file {state_file}` first"
+        )
+    try:
+        config = LaunchConfig(
+            count=count,
+            model_dir=model_dir,
+            host=host,
+            port_base=port_base,
+            max_model_len=max_model_len,
+            dtype=dtype,
+            seed=seed,
+            ready_timeout_s=ready_timeout,
+            log_dir=log_dir,
+            extra_args=extra_args,
+        )
+        launcher = LocalEngineLauncher(config)
+        launcher.start(wait=False)
+        state_file.write_text(json.dumps(launcher.state(), indent=2))
+        launcher.wait_ready()
+    except ValidationError as exc:
+        raise click.ClickException(str(exc)) from exc
+    except EngineLaunchError as exc:
+        if state_file.exists():
+            from rolloutlog.controller.engines.local import stop_from_state
+
+            stop_from_state(state_file)
+            state_file.unlink()
+        raise click.ClickException(str(exc)) from exc
+    urls = [e.url for e in launcher.engines]
+    if as_json:
+        json.dump({"urls": urls, "state_file": str(state_file)}, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        for url in urls:
+            click.echo(url)
+
+
+@engines.command("stop")
+@click.option(
+    "--state-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=_STATE,
+    show_default=True,
+)
+def stop(state_file: Path) -> None:
+    """Stop the engines recorded in the state file (SIGTERM, then SIGKILL)."""
+    from rolloutlog.controller.engines.local import stop_from_state
+
+    if not state_file.is_file():
+        raise click.ClickException(f"{state_file}: no engines recorded (nothing to stop)")
+    for engine_id in stop_from_state(state_file):
+        click.echo(f"stopped {engine_id}")
+    state_file.unlink()
