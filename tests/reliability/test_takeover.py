@@ -22,6 +22,7 @@ from reliability_harness import Worker, drive, exactly_once, run, start
 from rolloutlog.controller.config import StoreConfig
 from rolloutlog.controller.replay_tool import check_history
 from rolloutlog.controller.rollout_controller import RolloutController
+from rolloutlog.controller.rollout_index import read_history_indexed
 from rolloutlog.eventstore import EpochFencedError, EventStore
 
 OPENER = {"restore": "RunRestored", "open": "RunResumed"}
@@ -29,7 +30,7 @@ OPENER = {"restore": "RunRestored", "open": "RunResumed"}
 
 def _newest_checkpoint_step(url: str) -> int:
     with EventStore.open(url) as store:
-        rows = [r for r in store.read_history("r") if r.type == "CheckpointMarked"]
+        rows = [r for r in read_history_indexed(store, "r") if r.type == "CheckpointMarked"]
         return max(r.train_step or 0 for r in rows) if rows else 0
 
 
