@@ -19,6 +19,7 @@ from .domain.events import (
     GroupSelected,
     PromptDropped,
     RolloutEvent,
+    RunStarted,
     SiblingCompleted,
     SparePulled,
     StepTrained,
@@ -43,6 +44,8 @@ class PromptLedger:
     group_of_prompt: dict[int, int] = field(default_factory=dict)
     prompt_of_group: dict[int, int] = field(default_factory=dict)
     pulled_twice: list[PromptId] = field(default_factory=list)
+    dataset_size: int = 0
+    passes: int = 1
     group_of_key: dict[PromptId, int] = field(default_factory=dict)
     key_of_group: dict[int, PromptId] = field(default_factory=dict)
     trained_keys: Counter[PromptId] = field(default_factory=Counter)
@@ -58,7 +61,9 @@ class PromptLedger:
 
     def apply(self, event: RolloutEvent) -> None:
         """Fold one event."""
-        if isinstance(event, GroupAdmitted | SparePulled):
+        if isinstance(event, RunStarted):
+            self.dataset_size, self.passes = event.dataset_size, event.passes
+        elif isinstance(event, GroupAdmitted | SparePulled):
             key = (event.data_pass, event.prompt_index)
             if key in self.group_of_key:
                 self.pulled_twice.append(key)
@@ -96,6 +101,19 @@ class PromptLedger:
     def passes_started(self) -> int:
         """Passes over the data the run has pulled prompts from."""
         return 1 + max((p for p, _ in self.group_of_key), default=-1)
+
+    def passes_completed(self, unused: set[PromptId] | frozenset[PromptId] = frozenset()) -> int:
+        """Passes (counted from the first) whose every prompt was pulled and then trained,
+        dropped or evicted; prompts in ``unused`` (spares no step needed) do not hold a
+        pass open."""
+        if self.dataset_size < 1:
+            return 0
+        open_passes = {p for p, _ in self.unfinished() - set(unused)}
+        pulled: Counter[int] = Counter(p for p, _ in self.group_of_key)
+        done = 0
+        while pulled[done] == self.dataset_size and done not in open_passes:
+            done += 1
+        return done
 
     def unfinished(self) -> set[PromptId]:
         """Prompts ``(pass, index)`` pulled but neither trained, dropped nor evicted."""

@@ -230,7 +230,7 @@ def run(config: Path, run_id: str | None, resume: bool, as_json: bool) -> None:
         return
     from rolloutlog.controller.workloads.run import run_summary
 
-    summary = run_summary(cfg, rid, result.workload)
+    summary = run_summary(cfg, rid, result.workload, stopped=result.stopped)
     if as_json:
         click.echo(json.dumps(summary, default=str))
     else:
@@ -239,3 +239,5 @@ def run(config: Path, run_id: str | None, resume: bool, as_json: bool) -> None:
             f"{result.first_step + result.steps_trained - 1}; reward "
             f"{summary['reward_first']:.3f} (first 3) -> {summary['reward_last']:.3f} (last 3)"
         )
+        if result.stopped is not None:
+            click.echo(f"run {rid}: stopped early: {result.stopped}")
