@@ -76,7 +76,15 @@ def rules(**overrides: Any) -> RolloutConfig:
 class PureRun:
     """The pure core alone: ``decide`` then ``evolve`` at consecutive offsets."""
 
-    def __init__(self, config: RolloutConfig | None = None, *, dataset_size: int = 40, **kw: Any):
+    def __init__(
+        self,
+        config: RolloutConfig | None = None,
+        *,
+        dataset_size: int = 40,
+        passes: int = 1,
+        shuffle_seed: int | None = None,
+        **kw: Any,
+    ):
         self.state = initial_state()
         self.log: Applied = []
         self.execute(
@@ -86,6 +94,8 @@ class PureRun:
                 config_fingerprint="fp",
                 dataset_fingerprint="ds",
                 dataset_size=dataset_size,
+                passes=passes,
+                shuffle_seed=shuffle_seed,
             )
         )
 
