@@ -158,8 +158,8 @@ def cross_check(ledger: PromptLedger, state: RunState) -> LedgerCheck:
     return LedgerCheck(
         prompts_pulled=ledger.prompts_pulled,
         prompts_trained=len(ledger.trained_keys),
-        prompts_dropped=len(ledger.dropped),
-        prompts_evicted=len(ledger.evicted),
+        prompts_dropped=len(ledger.dropped_keys),
+        prompts_evicted=len(ledger.evicted_keys),
         prompts_live=len(unfinished & live_in_state),
         prompts_lost=len(lost),
         prompts_trained_twice=len(ledger.trained_twice),
