@@ -294,8 +294,12 @@ async def run_training(
                 try:
                     batch = await runtime.next_batch(step)
                 except DataExhaustedError as exc:
-                    # Out of data: end cleanly at the last trained step, saying so.
+                    # Out of data: end cleanly at the last trained step, saying so, with a
+                    # checkpoint there (unless the last step already wrote one).
                     stopped = str(exc)
+                    if step > first and step % cfg.checkpoint_every != 0:
+                        offset = await runtime.checkpoint(step)
+                        _save_checkpoint(cfg, run_id, trainer, step, offset, version)
                     emit({"event": "data_exhausted", "step": step, "message": stopped})
                     break
                 last = step + 1

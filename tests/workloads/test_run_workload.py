@@ -18,7 +18,7 @@ from rolloutlog.controller.domain.events import PromptDropped, SiblingFailed
 from rolloutlog.controller.prompt_ledger import build_ledger
 from rolloutlog.controller.rollout_controller import iter_history
 from rolloutlog.eventstore import EventStore
-from rolloutlog.grpo.loop import run_training
+from rolloutlog.grpo.loop import latest_checkpoint, run_training
 from rolloutlog.grpo.run_config import RunConfig
 
 RUN = "workload"
@@ -160,9 +160,12 @@ def test_running_out_of_data_ends_the_run_cleanly_with_a_message(
     # 11 prompts x 2 passes = 22 = 11 steps of 2 groups, but prompt 0 is dropped in each
     # pass (its reward raises) and its replacement uses up data: the last step can never
     # be formed. The run stops at the last step it could train, saying why.
-    cfg = _cfg(tmp_path, tiny_dir, qa_jsonl, steps=11, passes=2, checkpoint_every=1)
+    cfg = _cfg(tmp_path, tiny_dir, qa_jsonl, steps=11, passes=2, checkpoint_every=20)
     result = asyncio.run(run_training(cfg, run_id=RUN, resume=False))
     assert result.stopped is not None
+    # A checkpoint at the last trained step, though checkpoint_every did not call for one.
+    done = latest_checkpoint(cfg, RUN)
+    assert done is not None and done.train_step == result.steps_trained
     assert "the data ran out before step" in result.stopped
     assert "11 prompts of 2 pass(es)" in result.stopped
     assert 0 < result.steps_trained < 11
