@@ -175,3 +175,7 @@ def test_running_out_of_data_ends_the_run_cleanly_with_a_message(
     assert summary["stopped"] == result.stopped
     assert summary["prompts_lost"] == 0 and summary["prompts_trained_twice"] == 0
     assert summary["prompts_dropped"] == 2  # (0, 0) and (1, 0)
+    # A resume finds no data left either: the same clear stop, nothing trained.
+    again = asyncio.run(run_training(cfg, run_id=RUN, resume=True))
+    assert again.steps_trained == 0 and again.stopped is not None
+    assert "the data ran out" in again.stopped
