@@ -19,6 +19,7 @@ from .domain.events import (
     GroupSelected,
     PromptDropped,
     RolloutEvent,
+    RunStarted,
     SiblingCompleted,
     SparePulled,
     StepTrained,
@@ -26,14 +27,30 @@ from .domain.events import (
 from .domain.state import RunState
 from .rollout_controller import iter_history
 
+#: A prompt's identity: ``(pass, dataset index)``.
+PromptId = tuple[int, int]
+
 
 @dataclass
 class PromptLedger:
-    """What happened to each prompt, and the reward of each trained step."""
+    """What happened to each prompt, and the reward of each trained step.
+
+    A prompt's identity is ``(pass, index)`` (:data:`PromptId`): the checks (pulled
+    twice, trained twice, lost) count per pass, so a prompt trained once in each of two
+    passes is not "trained twice". The maps keyed by a bare ``int`` are by dataset index
+    (for single-pass audits; with several passes they hold the latest pass).
+    """
 
     group_of_prompt: dict[int, int] = field(default_factory=dict)
     prompt_of_group: dict[int, int] = field(default_factory=dict)
-    pulled_twice: list[int] = field(default_factory=list)
+    pulled_twice: list[PromptId] = field(default_factory=list)
+    dataset_size: int = 0
+    passes: int = 1
+    group_of_key: dict[PromptId, int] = field(default_factory=dict)
+    key_of_group: dict[int, PromptId] = field(default_factory=dict)
+    trained_keys: Counter[PromptId] = field(default_factory=Counter)
+    dropped_keys: set[PromptId] = field(default_factory=set)
+    evicted_keys: set[PromptId] = field(default_factory=set)
     trained: Counter[int] = field(default_factory=Counter)
     dropped: dict[int, str] = field(default_factory=dict)
     evicted: dict[int, str] = field(default_factory=dict)
@@ -44,9 +61,14 @@ class PromptLedger:
 
     def apply(self, event: RolloutEvent) -> None:
         """Fold one event."""
-        if isinstance(event, GroupAdmitted | SparePulled):
-            if event.prompt_index in self.group_of_prompt:
-                self.pulled_twice.append(event.prompt_index)
+        if isinstance(event, RunStarted):
+            self.dataset_size, self.passes = event.dataset_size, event.passes
+        elif isinstance(event, GroupAdmitted | SparePulled):
+            key = (event.data_pass, event.prompt_index)
+            if key in self.group_of_key:
+                self.pulled_twice.append(key)
+            self.group_of_key[key] = event.group_id
+            self.key_of_group[event.group_id] = key
             self.group_of_prompt[event.prompt_index] = event.group_id
             self.prompt_of_group[event.group_id] = event.prompt_index
         elif isinstance(event, SiblingCompleted):
@@ -59,28 +81,49 @@ class PromptLedger:
             for gid in groups:
                 prompt = self.prompt_of_group[gid]
                 self.trained[prompt] += 1
+                self.trained_keys[self.key_of_group[gid]] += 1
                 self.step_of_prompt.setdefault(prompt, []).append(event.train_step)
                 rewards.extend(self._rewards.pop(gid, {}).values())
             self.step_rewards[event.train_step] = sum(rewards) / len(rewards) if rewards else 0.0
         elif isinstance(event, PromptDropped):
             self.dropped[event.prompt_index] = event.reason
+            self.dropped_keys.add((event.data_pass, event.prompt_index))
         elif isinstance(event, GroupEvicted):
             self.evicted[event.prompt_index] = event.reason
+            self.evicted_keys.add((event.data_pass, event.prompt_index))
 
     @property
     def prompts_pulled(self) -> int:
-        """Distinct prompts pulled into groups."""
-        return len(self.group_of_prompt)
-
-    def unfinished(self) -> set[int]:
-        """Prompts pulled but neither trained, dropped nor evicted (still live)."""
-        done = set(self.trained) | set(self.dropped) | set(self.evicted)
-        return set(self.group_of_prompt) - done
+        """Distinct prompts ``(pass, index)`` pulled into groups."""
+        return len(self.group_of_key)
 
     @property
-    def trained_twice(self) -> list[int]:
-        """Prompts trained more than once (must be empty)."""
-        return sorted(p for p, n in self.trained.items() if n > 1)
+    def passes_started(self) -> int:
+        """Passes over the data the run has pulled prompts from."""
+        return 1 + max((p for p, _ in self.group_of_key), default=-1)
+
+    def passes_completed(self, unused: set[PromptId] | frozenset[PromptId] = frozenset()) -> int:
+        """Passes (counted from the first) whose every prompt was pulled and then trained,
+        dropped or evicted; prompts in ``unused`` (spares no step needed) do not hold a
+        pass open."""
+        if self.dataset_size < 1:
+            return 0
+        open_passes = {p for p, _ in self.unfinished() - set(unused)}
+        pulled: Counter[int] = Counter(p for p, _ in self.group_of_key)
+        done = 0
+        while pulled[done] == self.dataset_size and done not in open_passes:
+            done += 1
+        return done
+
+    def unfinished(self) -> set[PromptId]:
+        """Prompts ``(pass, index)`` pulled but neither trained, dropped nor evicted."""
+        done = set(self.trained_keys) | self.dropped_keys | self.evicted_keys
+        return set(self.group_of_key) - done
+
+    @property
+    def trained_twice(self) -> list[PromptId]:
+        """Prompts ``(pass, index)`` trained more than once in their pass (must be empty)."""
+        return sorted(p for p, n in self.trained_keys.items() if n > 1)
 
 
 def build_ledger(store: EventStore, run_id: str, to_seq: int | None = None) -> PromptLedger:
@@ -103,20 +146,20 @@ class LedgerCheck:
     prompts_lost: int
     prompts_trained_twice: int
     prompts_pulled_twice: int
-    lost: tuple[int, ...]
-    trained_twice: tuple[int, ...]
+    lost: tuple[PromptId, ...]
+    trained_twice: tuple[PromptId, ...]
 
 
 def cross_check(ledger: PromptLedger, state: RunState) -> LedgerCheck:
     """Every pulled prompt must be trained once, dropped, evicted, or live in ``state``."""
-    live_in_state = {g.prompt_index for g in state.groups.values()}
+    live_in_state = {(g.data_pass, g.prompt_index) for g in state.groups.values()}
     unfinished = ledger.unfinished()
     lost = sorted(unfinished - live_in_state)
     return LedgerCheck(
         prompts_pulled=ledger.prompts_pulled,
-        prompts_trained=len(ledger.trained),
-        prompts_dropped=len(ledger.dropped),
-        prompts_evicted=len(ledger.evicted),
+        prompts_trained=len(ledger.trained_keys),
+        prompts_dropped=len(ledger.dropped_keys),
+        prompts_evicted=len(ledger.evicted_keys),
         prompts_live=len(unfinished & live_in_state),
         prompts_lost=len(lost),
         prompts_trained_twice=len(ledger.trained_twice),

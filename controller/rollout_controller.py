@@ -222,6 +222,8 @@ class RolloutController:
         *,
         dataset_fingerprint: str,
         dataset_size: int,
+        passes: int = 1,
+        shuffle_seed: int | None = None,
         store_config: StoreConfig | None = None,
         clock: Clock | None = None,
     ) -> RolloutController:
@@ -238,6 +240,8 @@ class RolloutController:
             config_fingerprint=fp,
             dataset_fingerprint=dataset_fingerprint,
             dataset_size=dataset_size,
+            passes=passes,
+            shuffle_seed=shuffle_seed,
         )
         events = decide(state, command)
         now = (clock or (lambda: datetime.now(UTC)))()

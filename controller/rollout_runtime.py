@@ -153,6 +153,11 @@ class RunStoppedError(RuntimeError):
     """The pump stopped because of an error; the message names it. The log is intact."""
 
 
+class DataExhaustedError(RunStoppedError):
+    """A train step can never be formed because every prompt of every pass was pulled:
+    the run has used up its data (the log is intact; more passes would continue it)."""
+
+
 @dataclass
 class PumpStats:
     """What the pump has done (for progress display and tests)."""
@@ -551,6 +556,13 @@ class RolloutRuntime:
                 continue
             except BatchNotReadyError as exc:
                 if not self._flights and self._nothing_can_arrive():
+                    if state.dataset_cursor >= state.walk_size:
+                        raise DataExhaustedError(
+                            f"the data ran out before step {train_step}: all "
+                            f"{state.dataset_size} prompts of {state.passes} pass(es) were "
+                            "pulled (dropped and evicted prompts use up data too); set more "
+                            "passes or fewer steps"
+                        ) from exc
                     raise RunStoppedError(f"step {train_step} can never be formed: {exc}") from exc
             self._changed.set()
             waiter = asyncio.ensure_future(self._wait_change())

@@ -1,8 +1,8 @@
 """SQL audit of a stored run: canned queries over the audit views, and a read-only runner.
 
-The views (created by the alembic revision ``0006_rollout_views``, documented in
-``docs/sql-cookbook.md``) hold each run's *current history* only: events a restore
-abandoned appear in ``abandoned_events`` and nowhere else.
+The views (created by the alembic revisions ``0006_rollout_views`` and
+``0007_prompt_passes``, documented in ``docs/sql-cookbook.md``) hold each run's *current
+history* only: events a restore abandoned appear in ``abandoned_events`` and nowhere else.
 
 :class:`SqlAudit` opens the log read-only and runs one query per transaction, read-only
 by construction (``docs/sql-cookbook.md``, "Read-only by construction"):
@@ -47,7 +47,7 @@ VIEWS: dict[str, str] = {
     "group_lifecycle": "one row per group: stamps, generation, commit, selection, fate",
     "step_batches": "one row per group selected for a train step",
     "step_staleness": "one row per selected batch: size, shortfall, staleness, reward",
-    "prompt_outcomes": "one row per pulled prompt: trained, dropped, evicted or live",
+    "prompt_outcomes": "one row per pulled prompt (pass, index): trained, dropped, evicted or live",
     "recoveries": "one row per restore (and takeover) in the history, with its counts",
     "run_summary": "one row per run: epochs, history size, steps, prompt outcomes",
 }

@@ -28,6 +28,8 @@ def decide_start(state: RunState, cmd: StartRun) -> list[RolloutEvent]:
         raise IllegalTransitionError(f"run {state.run_id!r} has already started")
     if cmd.dataset_size < 1:
         raise IllegalTransitionError("the dataset has no prompts (dataset_size < 1)")
+    if cmd.passes < 1:
+        raise IllegalTransitionError(f"passes {cmd.passes} must be >= 1")
     return [
         RunStarted(
             run_id=cmd.run_id,
@@ -35,6 +37,8 @@ def decide_start(state: RunState, cmd: StartRun) -> list[RolloutEvent]:
             config_fingerprint=cmd.config_fingerprint,
             dataset_fingerprint=cmd.dataset_fingerprint,
             dataset_size=cmd.dataset_size,
+            passes=cmd.passes,
+            shuffle_seed=cmd.shuffle_seed,
         )
     ]
 
@@ -49,8 +53,11 @@ def admission_blocker(state: RunState) -> str | None:
             f"dispatch cursor {state.dispatch_cursor} would pass train step {state.train_step} "
             f"+ lookahead {rules.lookahead}"
         )
-    if state.dataset_cursor >= state.dataset_size:
-        return f"the dataset is exhausted ({state.dataset_size} prompts pulled)"
+    if state.dataset_cursor >= state.walk_size:
+        return (
+            f"the dataset is exhausted ({state.dataset_size} prompts x {state.passes} "
+            f"pass(es) pulled)"
+        )
     return None
 
 
@@ -58,18 +65,21 @@ def decide_admit(state: RunState, _cmd: AdmitStep) -> list[RolloutEvent]:
     """StepAdmitted, a GroupAdmitted per prompt pulled, then SparePulled to refill the pool."""
     blocker = admission_blocker(state)
     if blocker is not None:
-        if state.dataset_cursor >= state.dataset_size:
+        if state.dataset_cursor >= state.walk_size:
             raise DatasetExhaustedError(blocker)
         if state.failure is not None:
             raise IllegalTransitionError(blocker)
         raise LookaheadExceededError(blocker)
     rules = state.rules
     step = state.dispatch_cursor
-    count = min(rules.groups_per_step, state.dataset_size - state.dataset_cursor)
+    count = min(rules.groups_per_step, state.walk_size - state.dataset_cursor)
     events: list[RolloutEvent] = [StepAdmitted(target_step=step, group_count=count)]
     gid, prompt = state.next_group_id, state.dataset_cursor
     for _ in range(count):
-        events.append(GroupAdmitted(group_id=gid, prompt_index=prompt, target_step=step))
+        pass_, index = state.prompt_key_at(prompt)
+        events.append(
+            GroupAdmitted(group_id=gid, prompt_index=index, data_pass=pass_, target_step=step)
+        )
         gid, prompt = gid + 1, prompt + 1
     events.extend(
         spare_refill(state, next_group_id=gid, next_prompt=prompt, have=len(state.spares))
@@ -80,10 +90,12 @@ def decide_admit(state: RunState, _cmd: AdmitStep) -> list[RolloutEvent]:
 def spare_refill(
     state: RunState, *, next_group_id: int, next_prompt: int, have: int
 ) -> list[RolloutEvent]:
-    """SparePulled events that bring the pool from ``have`` up to its configured size."""
+    """SparePulled events that bring the pool from ``have`` up to its configured size
+    (``next_prompt`` is a dataset-cursor position)."""
     out: list[RolloutEvent] = []
-    while have < state.rules.spare_pool_size and next_prompt < state.dataset_size:
-        out.append(SparePulled(group_id=next_group_id, prompt_index=next_prompt))
+    while have < state.rules.spare_pool_size and next_prompt < state.walk_size:
+        pass_, index = state.prompt_key_at(next_prompt)
+        out.append(SparePulled(group_id=next_group_id, prompt_index=index, data_pass=pass_))
         next_group_id, next_prompt, have = next_group_id + 1, next_prompt + 1, have + 1
     return out
 
@@ -91,21 +103,23 @@ def spare_refill(
 # ---------------------------------------------------------------- evolve
 
 
-def _new_group(state: RunState, group_id: int, prompt_index: int) -> GroupState:
+def _new_group(state: RunState, group_id: int, prompt_index: int, data_pass: int) -> GroupState:
     if group_id != state.next_group_id:
         raise UnknownReferenceError(
             f"group {group_id} out of order: the next group id is {state.next_group_id}",
             groups=(group_id,),
         )
-    if prompt_index != state.dataset_cursor:
+    if state.dataset_cursor >= state.walk_size:
         raise UnknownReferenceError(
-            f"prompt {prompt_index} pulled out of order: the dataset cursor is at "
-            f"{state.dataset_cursor}",
+            f"prompt {prompt_index} (pass {data_pass}) is beyond the dataset "
+            f"({state.dataset_size} prompts x {state.passes} pass(es))",
             groups=(group_id,),
         )
-    if prompt_index >= state.dataset_size:
+    expected = state.prompt_key_at(state.dataset_cursor)
+    if (data_pass, prompt_index) != expected:
         raise UnknownReferenceError(
-            f"prompt {prompt_index} is beyond the dataset ({state.dataset_size} prompts)",
+            f"prompt {prompt_index} pulled out of order (pass {data_pass}): the dataset "
+            f"cursor {state.dataset_cursor} is at prompt {expected[1]} (pass {expected[0]})",
             groups=(group_id,),
         )
     state.next_group_id += 1
@@ -113,6 +127,7 @@ def _new_group(state: RunState, group_id: int, prompt_index: int) -> GroupState:
     return GroupState(
         group_id=group_id,
         prompt_index=prompt_index,
+        data_pass=data_pass,
         target_step=None,
         phase=Phase.SPARE,
         siblings=[SiblingState() for _ in range(state.rules.group_size)],
@@ -130,6 +145,8 @@ def evolve_run_started(state: RunState, ev: RunStarted) -> None:
     state.config_fingerprint = ev.config_fingerprint
     state.dataset_fingerprint = ev.dataset_fingerprint
     state.dataset_size = ev.dataset_size
+    state.passes = ev.passes
+    state.shuffle_seed = ev.shuffle_seed
 
 
 def evolve_step_admitted(state: RunState, ev: StepAdmitted) -> None:
@@ -151,7 +168,7 @@ def evolve_group_admitted(state: RunState, ev: GroupAdmitted) -> None:
             f"({state.dispatch_cursor}) has not handed out",
             groups=(ev.group_id,),
         )
-    group = _new_group(state, ev.group_id, ev.prompt_index)
+    group = _new_group(state, ev.group_id, ev.prompt_index, ev.data_pass)
     group.target_step = ev.target_step
     group.phase = Phase.ADMITTED
     state.groups[group.group_id] = group
@@ -159,7 +176,7 @@ def evolve_group_admitted(state: RunState, ev: GroupAdmitted) -> None:
 
 def evolve_spare_pulled(state: RunState, ev: SparePulled) -> None:
     """A new group in the spare pool."""
-    group = _new_group(state, ev.group_id, ev.prompt_index)
+    group = _new_group(state, ev.group_id, ev.prompt_index, ev.data_pass)
     state.groups[group.group_id] = group
     state.spares.append(group.group_id)
 

@@ -85,6 +85,7 @@ class VacancyPlanner:
             head = PromptDropped(
                 group_id=group.group_id,
                 prompt_index=group.prompt_index,
+                data_pass=group.data_pass,
                 target_step=t,
                 reason=reason,
                 outcome=outcome,
@@ -93,6 +94,7 @@ class VacancyPlanner:
             head = GroupEvicted(
                 group_id=group.group_id,
                 prompt_index=group.prompt_index,
+                data_pass=group.data_pass,
                 target_step=t,
                 reason=reason,
                 staleness=staleness,
@@ -106,7 +108,7 @@ class VacancyPlanner:
         if taken is None:
             self.quota_delta[step] = self.quota_delta.get(step, 0) - 1
             return "unreplaced", []
-        pulled, spare_id, spare_prompt = taken
+        pulled, spare_id, (spare_pass, spare_prompt) = taken
         lender = self._find_lender(step)
         if lender is not None and lender.target_step is not None:
             self.lenders_used.add(lender.group_id)
@@ -115,12 +117,14 @@ class VacancyPlanner:
                 GroupBorrowed(
                     group_id=lender.group_id,
                     prompt_index=lender.prompt_index,
+                    data_pass=lender.data_pass,
                     from_step=lender.target_step,
                     to_step=step,
                 ),
                 SpareAssigned(
                     group_id=spare_id,
                     prompt_index=spare_prompt,
+                    data_pass=spare_pass,
                     target_step=lender.target_step,
                     repays_group_id=lender.group_id,
                 ),
@@ -130,21 +134,25 @@ class VacancyPlanner:
             SpareAssigned(
                 group_id=spare_id,
                 prompt_index=spare_prompt,
+                data_pass=spare_pass,
                 target_step=step,
                 replaces_group_id=group.group_id,
             ),
         ]
 
-    def _take_spare(self) -> tuple[list[RolloutEvent], int, int] | None:
+    def _take_spare(self) -> tuple[list[RolloutEvent], int, tuple[int, int]] | None:
+        """A spare (pulled now when the pool is empty): its events, id and (pass, index)."""
         state = self.state
         if self.spares:
             gid = self.spares.pop(0)
-            return [], gid, state.groups[gid].prompt_index
-        if self.next_prompt < state.dataset_size:
-            gid, prompt = self.next_group_id, self.next_prompt
+            spare = state.groups[gid]
+            return [], gid, (spare.data_pass, spare.prompt_index)
+        if self.next_prompt < state.walk_size:
+            gid, (pass_, index) = self.next_group_id, state.prompt_key_at(self.next_prompt)
             self.next_group_id += 1
             self.next_prompt += 1
-            return [SparePulled(group_id=gid, prompt_index=prompt)], gid, prompt
+            pulled = SparePulled(group_id=gid, prompt_index=index, data_pass=pass_)
+            return [pulled], gid, (pass_, index)
         return None
 
     def _find_lender(self, step: int) -> GroupState | None:

@@ -17,6 +17,8 @@ class StartRun:
     config_fingerprint: str
     dataset_fingerprint: str
     dataset_size: int
+    passes: int = 1  # passes over the dataset
+    shuffle_seed: int | None = None  # None: every pass in dataset order
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,6 +46,12 @@ class RunStarted(RolloutEvent):
     config_fingerprint: str
     dataset_fingerprint: str
     dataset_size: int
+    #: Passes over the dataset the dispatch cursor walks (1 for logs written before
+    #: passes existed: their defaults decode them unchanged).
+    passes: int = 1
+    #: Seed of every pass's shuffle (``None``: no shuffle, dataset order); each pass's
+    #: order is ``pass_permutation(shuffle_seed, pass, dataset_size)``, a pure function.
+    shuffle_seed: int | None = None
 
 
 @CODEC.register
@@ -67,6 +73,7 @@ class GroupAdmitted(RolloutEvent):
     event_type = "GroupAdmitted"
     group_id: int
     prompt_index: int
+    data_pass: int = 0  # the pass over the data (``pass`` is a keyword)
     target_step: int
 
     def audit_keys(self) -> AuditKeys:
@@ -80,6 +87,7 @@ class SparePulled(RolloutEvent):
     event_type = "SparePulled"
     group_id: int
     prompt_index: int
+    data_pass: int = 0  # the pass over the data (``pass`` is a keyword)
 
     def audit_keys(self) -> AuditKeys:
         return AuditKeys(self.group_id, self.prompt_index)
@@ -92,6 +100,7 @@ class SpareAssigned(RolloutEvent):
     event_type = "SpareAssigned"
     group_id: int
     prompt_index: int
+    data_pass: int = 0  # the pass over the data (``pass`` is a keyword)
     target_step: int
     replaces_group_id: int | None = None
     repays_group_id: int | None = None
@@ -174,6 +183,7 @@ class GroupCommitted(RolloutEvent):
     event_type = "GroupCommitted"
     group_id: int
     prompt_index: int
+    data_pass: int = 0  # the pass over the data (``pass`` is a keyword)
     target_step: int
     oldest_weight_version: int
 
@@ -194,6 +204,7 @@ class PromptDropped(RolloutEvent):
     event_type = "PromptDropped"
     group_id: int
     prompt_index: int
+    data_pass: int = 0  # the pass over the data (``pass`` is a keyword)
     target_step: int | None
     reason: str
     outcome: VacateOutcome
@@ -209,6 +220,7 @@ class GroupBorrowed(RolloutEvent):
     event_type = "GroupBorrowed"
     group_id: int
     prompt_index: int
+    data_pass: int = 0  # the pass over the data (``pass`` is a keyword)
     from_step: int
     to_step: int
 
@@ -227,6 +239,7 @@ class GroupEvicted(RolloutEvent):
     event_type = "GroupEvicted"
     group_id: int
     prompt_index: int
+    data_pass: int = 0  # the pass over the data (``pass`` is a keyword)
     target_step: int | None
     reason: str
     staleness: int
@@ -244,6 +257,7 @@ class GroupSelected(RolloutEvent):
     event_type = "GroupSelected"
     group_id: int
     prompt_index: int
+    data_pass: int = 0  # the pass over the data (``pass`` is a keyword)
     target_step: int
     train_step: int
     staleness: int

@@ -74,17 +74,19 @@ def _conservation(state: RunState) -> list[InvariantViolation]:
         )
     if state.next_group_id != pulled:
         out.append(ConservationError(f"{state.next_group_id} groups for {pulled} pulled prompts"))
-    prompts: dict[int, int] = {}
+    # A prompt's identity is (pass, index): the same index in two passes is two prompts.
+    prompts: dict[tuple[int, int], int] = {}
     for g in state.groups.values():
-        if g.prompt_index in prompts:
+        key = (g.data_pass, g.prompt_index)
+        if key in prompts:
             out.append(
                 ConservationError(
-                    f"prompt {g.prompt_index} is in groups {prompts[g.prompt_index]} and "
-                    f"{g.group_id}",
-                    groups=(prompts[g.prompt_index], g.group_id),
+                    f"prompt {g.prompt_index} is in groups {prompts[key]} and {g.group_id} "
+                    f"(pass {g.data_pass})",
+                    groups=(prompts[key], g.group_id),
                 )
             )
-        prompts[g.prompt_index] = g.group_id
+        prompts[key] = g.group_id
         if g.phase in (Phase.TRAINED, Phase.EVICTED, Phase.DROPPED):
             out.append(
                 ConservationError(

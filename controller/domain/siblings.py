@@ -148,6 +148,7 @@ def commit_if_complete(
         GroupCommitted(
             group_id=group_id,
             prompt_index=group.prompt_index,
+            data_pass=group.data_pass,
             target_step=group.target_step,
             oldest_weight_version=min(versions),
         )

@@ -8,6 +8,7 @@ cannot copy the state per event); use :meth:`RunState.copy` to keep an old one.
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import StrEnum
 from typing import Any
@@ -63,6 +64,7 @@ class GroupState:
     selected_for: int | None = None  # train step, when selected
     selected_staleness: int | None = None
     ready_order: int | None = None  # position in commit order (ready_first sampler)
+    data_pass: int = 0  # the pass over the data: the prompt's identity is (pass, index)
 
     def done_count(self) -> int:
         """Siblings with a completion."""
@@ -126,9 +128,11 @@ class RunState:
     config_fingerprint: str = ""
     dataset_fingerprint: str = ""
     dataset_size: int = 0
+    passes: int = 1  # passes over the dataset the dataset cursor walks
+    shuffle_seed: int | None = None  # None: each pass in dataset order
     epoch: int = 1
     last_seq: int = 0  # offset of the newest applied event
-    dataset_cursor: int = 0  # prompts pulled
+    dataset_cursor: int = 0  # prompts pulled, over all passes
     dispatch_cursor: int = 0  # next step to admit prompts for
     train_step: int = 0  # next step to train (= steps trained)
     weight_version: int = 0  # the trainer's
@@ -150,6 +154,20 @@ class RunState:
         if self.config is None:
             raise RuntimeError("the run has not started (no RunStarted event applied)")
         return self.config
+
+    @property
+    def walk_size(self) -> int:
+        """Prompts the dataset cursor can pull: ``dataset_size`` per pass."""
+        return self.dataset_size * self.passes
+
+    def prompt_key_at(self, cursor: int) -> tuple[int, int]:
+        """``(pass, index)`` of the prompt at dataset-cursor position ``cursor``: a pure
+        function of the run's recorded ``dataset_size`` and ``shuffle_seed``, so a replay
+        pulls the same prompts."""
+        pass_, pos = divmod(cursor, self.dataset_size)
+        if self.shuffle_seed is None:
+            return pass_, pos
+        return pass_, _pass_order(self.shuffle_seed, pass_, self.dataset_size)[pos]
 
     def copy(self) -> RunState:
         """A deep copy (evolve mutates in place)."""
@@ -204,6 +222,8 @@ class RunState:
             config_fingerprint=data["config_fingerprint"],
             dataset_fingerprint=data["dataset_fingerprint"],
             dataset_size=data["dataset_size"],
+            passes=data.get("passes", 1),
+            shuffle_seed=data.get("shuffle_seed"),
             epoch=data["epoch"],
             last_seq=data["last_seq"],
             dataset_cursor=data["dataset_cursor"],
@@ -222,6 +242,14 @@ class RunState:
             checkpoint=CheckpointRef(**data["checkpoint"]) if data["checkpoint"] else None,
             failure=data["failure"],
         )
+
+
+@functools.lru_cache(maxsize=4)
+def _pass_order(seed: int, pass_: int, size: int) -> tuple[int, ...]:
+    """A pass's order, cached: every pull of a pass reads the same permutation."""
+    from ..workloads.passes import pass_permutation
+
+    return tuple(pass_permutation(seed, pass_, size))
 
 
 # ---------------------------------------------------------------------- snapshot helpers

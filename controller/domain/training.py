@@ -60,6 +60,7 @@ def decide_select(state: RunState, cmd: SelectBatch) -> list[RolloutEvent]:
         GroupSelected(
             group_id=g.group_id,
             prompt_index=g.prompt_index,
+            data_pass=g.data_pass,
             target_step=g.target_step if g.target_step is not None else cmd.train_step,
             train_step=cmd.train_step,
             staleness=state.staleness(g),

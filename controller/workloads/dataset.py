@@ -68,6 +68,11 @@ class DatasetConfig(BaseModel):
     max_prompt_tokens: int | None = Field(
         None, ge=1, description="Longest prompt in tokens (null: the model's limit applies)."
     )
+    max_prompts: int | None = Field(
+        None,
+        ge=1,
+        description="Use only the first N prompts kept from the file (null: all of them).",
+    )
     too_long: TooLong = Field(
         "skip",
         description="A prompt over max_prompt_tokens: skip the row, truncate it (keeps the "
@@ -194,6 +199,8 @@ class PromptDataset:
         #: Row number in the file of each prompt index (rows may be skipped).
         self.source_rows: list[int] = []
         for number, row in enumerate(all_rows):
+            if config.max_prompts is not None and len(self._prompts) >= config.max_prompts:
+                break
             ids = self._tokenize(number, row)
             if ids is None:
                 continue

@@ -76,16 +76,23 @@ def dataset_prompts(cfg: RunConfig, tokenizer: Any, model_dir: Path) -> PromptDa
     return prompts
 
 
-def run_summary(cfg: RunConfig, run_id: str, workload: dict[str, Any]) -> dict[str, Any]:
+def run_summary(
+    cfg: RunConfig, run_id: str, workload: dict[str, Any], *, stopped: str | None = None
+) -> dict[str, Any]:
     """The final summary of a run, counted from its log (all processes of the run):
-    mean reward of the first and last three trained steps, prompts trained, trained twice
-    and dropped, plus this process's dataset and reward counts."""
-    from rolloutlog.controller.prompt_ledger import build_ledger
+    mean reward of the first and last three trained steps; prompts trained, trained twice,
+    lost and dropped, each counted per (pass, index); passes completed; why the run
+    stopped early (``stopped``: the data ran out), plus this process's dataset and reward
+    counts."""
+    from rolloutlog.controller.prompt_ledger import build_ledger, cross_check
+    from rolloutlog.controller.rollout_controller import replay
     from rolloutlog.eventstore import EventStore
 
     store = EventStore.open(cfg.store.url)
     try:
         ledger = build_ledger(store, run_id)
+        state = replay(store, run_id).state
+        check = cross_check(ledger, state)
     finally:
         store.close()
     rewards = [ledger.step_rewards[s] for s in sorted(ledger.step_rewards)]
@@ -97,10 +104,17 @@ def run_summary(cfg: RunConfig, run_id: str, workload: dict[str, Any]) -> dict[s
         "reward_first": sum(rewards[:k]) / k if k else 0.0,
         "reward_last": sum(rewards[-k:]) / k if k else 0.0,
         "rewards": rewards,
-        "prompts_trained": len(ledger.trained),
-        # Single pass: a prompt's identity is its dataset index (phase B: (pass, index)).
-        "prompts_trained_twice": len(ledger.trained_twice),
-        "prompts_dropped": len(ledger.dropped),
+        # A prompt's identity is (pass, index): once per pass is not "trained twice".
+        "prompts_trained": check.prompts_trained,
+        "prompts_trained_twice": check.prompts_trained_twice,
+        "prompts_lost": check.prompts_lost,
+        "prompts_dropped": check.prompts_dropped,
+        "passes": ledger.passes,
+        "passes_completed": ledger.passes_completed(
+            # Spares left in the pool when the run ended were never needed by a step.
+            {(state.groups[g].data_pass, state.groups[g].prompt_index) for g in state.spares}
+        ),
+        "stopped": stopped,
         **workload,
     }
 

@@ -220,7 +220,7 @@ def run(config: Path, run_id: str | None, resume: bool, as_json: bool) -> None:
         if isinstance(exc, StoreError | DomainError | BackendError | ConfigError):
             raise click.ClickException(str(exc)) from exc
         raise
-    if result.steps_trained == 0:
+    if result.steps_trained == 0 and result.stopped is None:
         if not as_json:
             click.echo(
                 f"run {rid}: nothing left to train: its newest checkpoint is at step "
@@ -230,12 +230,16 @@ def run(config: Path, run_id: str | None, resume: bool, as_json: bool) -> None:
         return
     from rolloutlog.controller.workloads.run import run_summary
 
-    summary = run_summary(cfg, rid, result.workload)
+    summary = run_summary(cfg, rid, result.workload, stopped=result.stopped)
     if as_json:
         click.echo(json.dumps(summary, default=str))
+    elif result.steps_trained == 0:
+        click.echo(f"run {rid}: nothing trained: {result.stopped}")
     else:
         click.echo(
             f"run {rid}: trained steps {result.first_step}.."
             f"{result.first_step + result.steps_trained - 1}; reward "
             f"{summary['reward_first']:.3f} (first 3) -> {summary['reward_last']:.3f} (last 3)"
         )
+        if result.stopped is not None:
+            click.echo(f"run {rid}: stopped early: {result.stopped}")

@@ -22,7 +22,7 @@ import torch
 from rolloutlog.controller.backends.base import GenerationBackend
 from rolloutlog.controller.domain.errors import RestoreError
 from rolloutlog.controller.rollout_controller import RecoveryReport, RolloutController
-from rolloutlog.controller.rollout_runtime import RolloutRuntime
+from rolloutlog.controller.rollout_runtime import DataExhaustedError, RolloutRuntime
 from rolloutlog.controller.workloads.dataset import PromptDataset
 from rolloutlog.controller.workloads.run import check_model_fits, dataset_prompts, prepare_model_dir
 from rolloutlog.eventstore import EpochFencedError, EventStore
@@ -179,6 +179,8 @@ class TrainingResult:
     recovery: RecoveryReport | None
     #: Dataset and reward counts of this process (dataset runs; see DatasetStats.to_dict).
     workload: dict[str, Any] = field(default_factory=dict)
+    #: Why the run ended before ``steps`` (the data ran out), or ``None``.
+    stopped: str | None = None
 
 
 async def run_training(
@@ -244,6 +246,10 @@ async def run_training(
                 cfg.rollout,
                 dataset_fingerprint=prompts.fingerprint,
                 dataset_size=prompts.num_prompts,
+                passes=cfg.passes,
+                # Dataset runs shuffle each pass with the run's seed (recorded in
+                # RunStarted); the toy task keeps its order.
+                shuffle_seed=cfg.seed if cfg.dataset is not None and cfg.shuffle else None,
                 store_config=cfg.store,
             )
         first = controller.state.train_step
@@ -282,8 +288,21 @@ async def run_training(
                             "run_id": run_id,
                         }
                     )
+            stopped: str | None = None
+            last = first
             for step in range(first, cfg.steps):
-                batch = await runtime.next_batch(step)
+                try:
+                    batch = await runtime.next_batch(step)
+                except DataExhaustedError as exc:
+                    # Out of data: end cleanly at the last trained step, saying so, with a
+                    # checkpoint there (unless the last step already wrote one).
+                    stopped = str(exc)
+                    if step > first and step % cfg.checkpoint_every != 0:
+                        offset = await runtime.checkpoint(step)
+                        _save_checkpoint(cfg, run_id, trainer, step, offset, version)
+                    emit({"event": "data_exhausted", "step": step, "message": stopped})
+                    break
+                last = step + 1
                 samples = [
                     TrainSample(
                         group_id=s.group_id,
@@ -340,7 +359,9 @@ async def run_training(
         if isinstance(prompts, PromptDataset):
             workload = {**prompts.stats.to_dict(), "fingerprint": prompts.fingerprint}
             workload["reward_failures_dropped"] = runtime.stats.reward_failures
-        return TrainingResult(run_id, first, cfg.steps - first, rewards, recovery, workload)
+        if stopped is None:
+            last = cfg.steps
+        return TrainingResult(run_id, first, last - first, rewards, recovery, workload, stopped)
     finally:
         store.close()
 

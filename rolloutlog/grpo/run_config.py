@@ -78,20 +78,21 @@ class RunConfig(BaseModel):
         None, description="Reward of dataset prompts (default when a dataset is set: exact_match)."
     )
     passes: int = Field(
-        1, ge=1, description="Passes over the dataset (only 1 is supported for now)."
+        1,
+        ge=1,
+        description="Passes over the data: the dispatch cursor walks the prompts this many "
+        "times; a prompt's identity in the log is (pass, index).",
+    )
+    shuffle: bool = Field(
+        True,
+        description="Shuffle each pass of a dataset with seed (recorded in the log); false: "
+        "dataset order. The toy task is never shuffled.",
     )
 
     @model_validator(mode="after")
     def _workload_consistent(self) -> RunConfig:
         if self.reward is not None and self.dataset is None:
             raise ValueError("reward is set but dataset is not (the toy task has its own reward)")
-        if self.passes > 1:
-            # Phase B: a prompt's identity in the log becomes (pass, index); until then a
-            # second pass would look like prompts trained twice.
-            raise ValueError(
-                f"passes: {self.passes} is not supported yet (one pass over the data per run); "
-                "set passes: 1"
-            )
         return self
 
 

@@ -114,9 +114,9 @@ def check_vacated_slots(b: BuiltRun) -> None:
 
 def check_live_prompts(b: BuiltRun) -> None:
     rows = run(b, "live-prompts")
-    assert {r["prompt_index"] for r in rows} == b.ledger.unfinished()
-    state_phase = {g.prompt_index: g.phase.value for g in b.state.groups.values()}
-    assert {r["prompt_index"]: r["phase"] for r in rows} == state_phase
+    assert {(r["data_pass"], r["prompt_index"]) for r in rows} == b.ledger.unfinished()
+    state_phase = {(g.data_pass, g.prompt_index): g.phase.value for g in b.state.groups.values()}
+    assert {(r["data_pass"], r["prompt_index"]): r["phase"] for r in rows} == state_phase
 
 
 def _selected_staleness(b: BuiltRun) -> dict[int, list[int]]:

@@ -86,7 +86,10 @@ def test_prompt_outcomes_match_the_ledger(audit_run: BuiltRun) -> None:
     assert {r["prompt_index"]: r["reason"] for r in got if r["outcome"] == "evicted"} == (
         ledger.evicted
     )
-    assert {r["prompt_index"] for r in got if r["outcome"] == "live"} == ledger.unfinished()
+    # A prompt's identity is (pass, index); this run has one pass.
+    assert {r["data_pass"] for r in got} == {0}
+    live = {(r["data_pass"], r["prompt_index"]) for r in got if r["outcome"] == "live"}
+    assert live == ledger.unfinished()
     assert not ledger.trained_twice and not ledger.pulled_twice
     # The scripted run has every outcome.
     assert Counter(r["outcome"] for r in got).keys() == {"trained", "dropped", "evicted", "live"}

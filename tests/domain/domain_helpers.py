@@ -46,6 +46,7 @@ from rolloutlog.controller.rollout_controller import (
     iter_history,
     replay,
 )
+from rolloutlog.controller.workloads.passes import pass_permutation
 from rolloutlog.eventstore import EventStore, PayloadPut
 
 Applied = list[tuple[int, RolloutEvent]]
@@ -76,7 +77,15 @@ def rules(**overrides: Any) -> RolloutConfig:
 class PureRun:
     """The pure core alone: ``decide`` then ``evolve`` at consecutive offsets."""
 
-    def __init__(self, config: RolloutConfig | None = None, *, dataset_size: int = 40, **kw: Any):
+    def __init__(
+        self,
+        config: RolloutConfig | None = None,
+        *,
+        dataset_size: int = 40,
+        passes: int = 1,
+        shuffle_seed: int | None = None,
+        **kw: Any,
+    ):
         self.state = initial_state()
         self.log: Applied = []
         self.execute(
@@ -86,6 +95,8 @@ class PureRun:
                 config_fingerprint="fp",
                 dataset_fingerprint="ds",
                 dataset_size=dataset_size,
+                passes=passes,
+                shuffle_seed=shuffle_seed,
             )
         )
 
@@ -231,27 +242,40 @@ def train(run: Driver, *, publish: bool = True) -> Applied:
 
 # ---------------------------------------------------------------- the prompt ledger
 
+#: A prompt's identity: (pass, dataset index).
+Prompt = tuple[int, int]
+
 
 @dataclass
 class PromptLedger:
     """An independent fold of the history: each pulled prompt's terminal outcome.
 
     Deliberately separate from ``evolve``: it knows only which events pull, train, evict
-    and drop a prompt, and checks that each prompt has exactly one fate.
+    and drop a prompt, and checks that each prompt has exactly one fate. A prompt is
+    ``(pass, index)``; the walk order comes from ``RunStarted`` and the pure
+    ``pass_permutation``, not from the domain's state.
     """
 
-    pulled: list[int] = field(default_factory=list)
-    group_prompt: dict[int, int] = field(default_factory=dict)
-    fate: dict[int, str] = field(default_factory=dict)  # prompt -> trained/evicted/dropped
-    trained_at: dict[int, int] = field(default_factory=dict)  # prompt -> train step
-    selections: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))
+    pulled: list[Prompt] = field(default_factory=list)
+    group_prompt: dict[int, Prompt] = field(default_factory=dict)
+    fate: dict[Prompt, str] = field(default_factory=dict)  # prompt -> trained/evicted/dropped
+    trained_at: dict[Prompt, int] = field(default_factory=dict)  # prompt -> train step
+    selections: dict[Prompt, list[int]] = field(default_factory=lambda: defaultdict(list))
     batches: dict[int, list[int]] = field(default_factory=dict)
-    drop_reasons: dict[int, str] = field(default_factory=dict)
+    drop_reasons: dict[Prompt, str] = field(default_factory=dict)
+    dataset_size: int = 0
+    shuffle_seed: int | None = None
 
-    def live(self) -> set[int]:
+    def _expected(self, cursor: int) -> Prompt:
+        pass_, pos = divmod(cursor, self.dataset_size)
+        if self.shuffle_seed is None:
+            return pass_, pos
+        return pass_, pass_permutation(self.shuffle_seed, pass_, self.dataset_size)[pos]
+
+    def live(self) -> set[Prompt]:
         return {p for p in self.pulled if p not in self.fate}
 
-    def _end(self, gid: int, fate: str) -> int:
+    def _end(self, gid: int, fate: str) -> Prompt:
         assert gid in self.group_prompt, f"{fate} of group {gid}, never pulled"
         prompt = self.group_prompt[gid]
         assert prompt not in self.fate, (
@@ -262,14 +286,18 @@ class PromptLedger:
 
     def apply(self, ev: RolloutEvent) -> None:
         t = ev.event_type
-        if t in ("GroupAdmitted", "SparePulled"):
-            p = ev.prompt_index  # type: ignore[attr-defined]
+        if t == "RunStarted":
+            self.dataset_size = ev.dataset_size  # type: ignore[attr-defined]
+            self.shuffle_seed = ev.shuffle_seed  # type: ignore[attr-defined]
+        elif t in ("GroupAdmitted", "SparePulled"):
+            p = (ev.data_pass, ev.prompt_index)  # type: ignore[attr-defined]
             assert p not in self.pulled, f"prompt {p} pulled twice"
-            assert p == len(self.pulled), f"prompt {p} pulled out of dataset order"
+            assert p == self._expected(len(self.pulled)), f"prompt {p} pulled out of walk order"
             self.pulled.append(p)
             self.group_prompt[ev.group_id] = p  # type: ignore[attr-defined]
         elif t == "GroupSelected":
-            self.selections[ev.prompt_index].append(ev.train_step)  # type: ignore[attr-defined]
+            key = (ev.data_pass, ev.prompt_index)  # type: ignore[attr-defined]
+            self.selections[key].append(ev.train_step)  # type: ignore[attr-defined]
         elif t == "BatchSelected":
             self.batches[ev.train_step] = list(ev.group_ids)  # type: ignore[attr-defined]
         elif t == "StepTrained":
@@ -292,8 +320,8 @@ class PromptLedger:
     def check_against(self, state: RunState) -> None:
         """Conservation: every pulled prompt exactly once live / trained / evicted / dropped,
         and the live ones are exactly the state's groups."""
-        assert self.pulled == list(range(state.dataset_cursor)), "pulled prompts have a gap"
-        live_state = sorted(g.prompt_index for g in state.groups.values())
+        assert len(self.pulled) == state.dataset_cursor, "pulled prompts have a gap"
+        live_state = sorted((g.data_pass, g.prompt_index) for g in state.groups.values())
         assert len(live_state) == len(set(live_state)), f"a prompt is live twice: {live_state}"
         assert sorted(self.live()) == live_state, (
             f"ledger live {sorted(self.live())} != state live {live_state}"

@@ -147,7 +147,7 @@ def test_a_borrow_repaid_by_an_in_flight_spare_survives_restore(
     ctl.close()
     ledger = PromptLedger.from_history(store, "run")
     ledger.check_against(ctl.state)
-    assert ledger.drop_reasons == {1: drop_reason}
+    assert ledger.drop_reasons == {(0, 1): drop_reason}
     selected = _selected_prompts(store)
     assert len(selected) == len(set(selected)), "a prompt trained twice"
     leftover_spares = sorted(s.groups[g].prompt_index for g in s.spares)
@@ -155,14 +155,14 @@ def test_a_borrow_repaid_by_an_in_flight_spare_survives_restore(
         p for p in range(s.dataset_cursor) if p != 1 and p not in leftover_spares
     ]
     assert all(s.groups[g].phase is Phase.SPARE for g in s.spares)
-    assert set(ledger.trained_at) == set(selected)
+    assert set(ledger.trained_at) == {(0, p) for p in selected}
     steps = [
         ev.train_step  # type: ignore[attr-defined]
         for _, ev in iter_history(store, "run")
         if ev.event_type == "StepTrained"
     ]
     assert steps == list(range(len(steps))) == trained_steps
-    assert ledger.trained_at[9] == 0 and ledger.trained_at[3] == 2  # borrowed / repaid
+    assert ledger.trained_at[0, 9] == 0 and ledger.trained_at[0, 3] == 2  # borrowed / repaid
 
 
 # ---------------------------------------------------------------- (b)
@@ -276,7 +276,7 @@ def test_c_a_partial_group_seven_versions_behind_at_restore(
     ctl.close()
     ledger = PromptLedger.from_history(store, "run")
     ledger.check_against(ctl.state)
-    assert ledger.fate.get(old) == (None if sampler == "ready_first" else "evicted")
+    assert ledger.fate.get((0, old)) == (None if sampler == "ready_first" else "evicted")
 
 
 # ---------------------------------------------------------------- salvage

@@ -121,8 +121,19 @@ class RolloutMachine(RuleBasedStateMachine):
         return self.c.state.last_seq != self.opened_at
 
     # ------------------------------------------------------------------ rules
-    @initialize(config=configs, dataset_size=st.integers(4, 24))
-    def start(self, config: RolloutConfig, dataset_size: int) -> None:
+    @initialize(
+        config=configs,
+        dataset_size=st.integers(4, 24),
+        passes=st.integers(1, 3),
+        shuffle_seed=st.none() | st.integers(0, 99),
+    )
+    def start(
+        self,
+        config: RolloutConfig,
+        dataset_size: int,
+        passes: int = 1,
+        shuffle_seed: int | None = None,
+    ) -> None:
         self.config = config
         self.ctl = RolloutController.start(
             self.store,
@@ -130,6 +141,9 @@ class RolloutMachine(RuleBasedStateMachine):
             config,
             dataset_fingerprint="toy",
             dataset_size=dataset_size,
+            # Several (shuffled) passes: a prompt's identity is (pass, index) throughout.
+            passes=passes,
+            shuffle_seed=shuffle_seed,
             store_config=store_config(snapshot_interval=SNAPSHOT_INTERVAL),
         )
 

@@ -26,8 +26,14 @@ def test_real_workload_config_runs_and_reward_rises(tmp_path: Path) -> None:
     summary = json_lines(done.stdout)[-1]
     assert summary["event"] == "summary"
     assert summary["steps_trained"] == cfg["steps"]
-    assert summary["prompts_trained"] == cfg["steps"] * cfg["rollout"]["groups_per_step"]
-    assert summary["prompts_trained_twice"] == 0
+    # Two shuffled passes over max_prompts prompts, counted per (pass, index) from the log;
+    # the spares still in the pool at the end were never needed by a step.
+    assert cfg["passes"] == 2
+    walk = cfg["passes"] * cfg["dataset"]["max_prompts"]
+    assert walk == cfg["steps"] * cfg["rollout"]["groups_per_step"]
+    assert summary["prompts_trained"] == walk - cfg["rollout"]["spare_pool_size"]
+    assert summary["passes_completed"] == 2 and summary["stopped"] is None
+    assert summary["prompts_trained_twice"] == 0 and summary["prompts_lost"] == 0
     assert summary["prompts_too_long_skipped"] > 0  # the longest word problems
     assert summary["reward_failures"] == 0
     rewards = summary["rewards"]

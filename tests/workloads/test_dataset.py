@@ -69,6 +69,18 @@ def test_max_prompt_length_policy_is_applied_and_counted(qa_jsonl: Path, tiny_to
         _ds(qa_jsonl, tiny_tok, template=TEMPLATE, max_prompt_tokens=3)
 
 
+def test_max_prompts_keeps_the_first_prompts_and_changes_the_fingerprint(  # type: ignore[no-untyped-def]
+    qa_jsonl: Path, tiny_tok
+) -> None:
+    full = _ds(qa_jsonl, tiny_tok, template=TEMPLATE)
+    five = _ds(qa_jsonl, tiny_tok, template=TEMPLATE, max_prompts=5)
+    assert five.num_prompts == 5 and five.source_rows == list(range(5))
+    assert [five.prompt_token_ids(i) for i in range(5)] == [
+        full.prompt_token_ids(i) for i in range(5)
+    ]
+    assert five.fingerprint != full.fingerprint
+
+
 def test_chat_template_when_asked(qa_jsonl: Path, tiny_dir: Path) -> None:
     _, tok = load_causal_lm(tiny_dir)
     with pytest.raises(DatasetError, match="tokenizer has none"):

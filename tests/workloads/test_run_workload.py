@@ -18,7 +18,7 @@ from rolloutlog.controller.domain.events import PromptDropped, SiblingFailed
 from rolloutlog.controller.prompt_ledger import build_ledger
 from rolloutlog.controller.rollout_controller import iter_history
 from rolloutlog.eventstore import EventStore
-from rolloutlog.grpo.loop import run_training
+from rolloutlog.grpo.loop import latest_checkpoint, run_training
 from rolloutlog.grpo.run_config import RunConfig
 
 RUN = "workload"
@@ -119,8 +119,8 @@ def test_reward_that_raises_scores_zero_under_the_zero_policy(
 def test_workload_config_is_validated_up_front(
     tmp_path: Path, tiny_dir: Path, qa_jsonl: Path
 ) -> None:
-    with pytest.raises(ValidationError, match="passes: 2 is not supported yet"):
-        _cfg(tmp_path, tiny_dir, qa_jsonl, passes=2)
+    with pytest.raises(ValidationError, match="passes"):
+        _cfg(tmp_path, tiny_dir, qa_jsonl, passes=0)
     with pytest.raises(ValidationError, match="reward is set but dataset is not"):
         _cfg(tmp_path, tiny_dir, qa_jsonl, dataset=None)
     with pytest.raises(ValidationError, match="neither a built-in"):
@@ -151,3 +151,31 @@ def test_dataset_run_resumes_and_other_data_is_refused(
     other = _cfg(tmp_path, tiny_dir, edited, steps=4, checkpoint_every=1)
     with pytest.raises(RestoreError, match="fingerprint"):
         asyncio.run(run_training(other, run_id=RUN, resume=True))
+
+
+@pytest.mark.usefixtures("picky")
+def test_running_out_of_data_ends_the_run_cleanly_with_a_message(
+    tmp_path: Path, tiny_dir: Path, qa_jsonl: Path
+) -> None:
+    # 11 prompts x 2 passes = 22 = 11 steps of 2 groups, but prompt 0 is dropped in each
+    # pass (its reward raises) and its replacement uses up data: the last step can never
+    # be formed. The run stops at the last step it could train, saying why.
+    cfg = _cfg(tmp_path, tiny_dir, qa_jsonl, steps=11, passes=2, checkpoint_every=20)
+    result = asyncio.run(run_training(cfg, run_id=RUN, resume=False))
+    assert result.stopped is not None
+    # A checkpoint at the last trained step, though checkpoint_every did not call for one.
+    done = latest_checkpoint(cfg, RUN)
+    assert done is not None and done.train_step == result.steps_trained
+    assert "the data ran out before step" in result.stopped
+    assert "11 prompts of 2 pass(es)" in result.stopped
+    assert 0 < result.steps_trained < 11
+    from rolloutlog.controller.workloads.run import run_summary
+
+    summary = run_summary(cfg, RUN, result.workload, stopped=result.stopped)
+    assert summary["stopped"] == result.stopped
+    assert summary["prompts_lost"] == 0 and summary["prompts_trained_twice"] == 0
+    assert summary["prompts_dropped"] == 2  # (0, 0) and (1, 0)
+    # A resume finds no data left either: the same clear stop, nothing trained.
+    again = asyncio.run(run_training(cfg, run_id=RUN, resume=True))
+    assert again.steps_trained == 0 and again.stopped is not None
+    assert "the data ran out" in again.stopped
