@@ -62,6 +62,8 @@ log = logging.getLogger(__name__)
 if TYPE_CHECKING:  # torch is the [torch] extra; only annotations need it here
     import torch
 
+    from .engine_membership import EngineMembershipRecorder
+
 
 class GenerationConfig(BaseModel):
     """How the pump drives generation."""
@@ -210,10 +212,26 @@ class RolloutRuntime:
         #: which the group is not re-dispatched (exponential backoff).
         self._retry_streak: dict[int, int] = {}
         self._not_before: dict[int, float] = {}
+        #: Records a fleet's engine membership in the log (set by start() for a fleet).
+        self.membership: EngineMembershipRecorder | None = None
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        """Start the backend and the pump."""
+        """Start the backend and the pump.
+
+        A fleet backend's membership (engines joining, lost, refit) is recorded in the
+        log by an :class:`~rolloutlog.controller.engine_membership.EngineMembershipRecorder`
+        installed as its listener (unless the caller installed its own).
+        """
+        from .backends.fleet import FleetBackend, FleetListener
+
+        if isinstance(self.backend, FleetBackend) and type(self.backend.listener) is FleetListener:
+            from .engine_membership import EngineMembershipRecorder
+
+            self.membership = EngineMembershipRecorder(
+                self.controller, asyncio.get_running_loop(), on_error=self._fail
+            )
+            self.backend.listener = self.membership
         await self.backend.start()
         self._pump_task = asyncio.create_task(self._pump(), name="rolloutlog-pump")
 
@@ -414,6 +432,7 @@ class RolloutRuntime:
                         reward=reward,
                         payload_id=payload_id,
                         finish_reason=res.finish_reason,
+                        engine_id=res.engine_id,
                     ),
                     payload_puts=(PayloadPut(payload_id, "sibling", data),),
                 )
