@@ -58,9 +58,9 @@ async def _until(predicate: Any, timeout: float, what: str) -> None:
 
 
 def test_engine_loss_is_logged_and_its_attempts_finish_elsewhere(
-    tiny_model_dir: Path, sqlite_url: str, base_weights: dict[str, torch.Tensor]
+    tiny_model_dir: Path, db_url: str, base_weights: dict[str, torch.Tensor]
 ) -> None:
-    store = EventStore.open(sqlite_url)
+    store = EventStore.open(db_url)
     ctl = RolloutController.start(
         store,
         "r",
@@ -149,5 +149,23 @@ def test_engine_loss_is_logged_and_its_attempts_finish_elsewhere(
         check_invariants(state)
         assert state.engines["e1"].losses == 1 and not state.engines["e1"].lost
         assert state.counters.engines_lost == 1
+        # The audit views answer "which engine generated this sample" and "what was in
+        # flight on e1 when it died".
+        with store.engine.connect() as conn:
+            samples = conn.exec_driver_sql(
+                "SELECT group_id, sibling, attempt, engine_id FROM sample_engines "
+                "WHERE run_id = 'r'"
+            ).all()
+            died = conn.exec_driver_sql(
+                "SELECT request_id FROM engine_lost_attempts WHERE engine_id = 'e1'"
+            ).all()
+            membership = conn.exec_driver_sql(
+                "SELECT type, engine_id, in_flight_count FROM engine_membership ORDER BY seq"
+            ).all()
+        assert sorted(tuple(r) for r in samples) == sorted(
+            (ev.group_id, ev.sibling, ev.attempt, ev.engine_id) for ev in completed
+        )
+        assert [r[0] for r in died] == lost.in_flight
+        assert ("EngineLost", "e1", len(lost.in_flight)) in [tuple(r) for r in membership]
     finally:
         store.close()
