@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from rolloutlog.controller import replay_tool as rt
 from rolloutlog.controller.backends.deterministic_backend import DeterministicBackend
 from rolloutlog.controller.backends.fake_engine import FakeEngineServer
 from rolloutlog.controller.backends.fleet import EngineHealth, FleetBackend
@@ -167,5 +168,12 @@ def test_engine_loss_is_logged_and_its_attempts_finish_elsewhere(
         )
         assert [r[0] for r in died] == lost.in_flight
         assert ("EngineLost", "e1", len(lost.in_flight)) in [tuple(r) for r in membership]
+        # replay --explain of a group that lost an attempt shows the loss; re-deciding
+        # every decision (engine membership included) reproduces the log.
+        lost_group = int(lost.in_flight[0].split("-")[0][1:])
+        explained = rt.explain(store, "r", group_id=lost_group)
+        assert "EngineLost" in [e["type"] for e in explained]
+        assert rt.verify_decisions(store, "r").mismatch is None
+        assert rt.check_history(store, "r").violation is None
     finally:
         store.close()
