@@ -43,12 +43,16 @@ class MembershipStats:
 
 
 class EngineMembershipRecorder(FleetListener):
-    """Records a fleet's engine membership in the run's log (see the module doc)."""
+    """Records a fleet's engine membership in the run's log (see the module doc).
+
+    ``loop``: the event loop the controller runs on (default: the loop of the first
+    callback, which comes from the fleet's start).
+    """
 
     def __init__(
         self,
         controller: RolloutController,
-        loop: asyncio.AbstractEventLoop,
+        loop: asyncio.AbstractEventLoop | None = None,
         on_error: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.controller = controller
@@ -81,6 +85,14 @@ class EngineMembershipRecorder(FleetListener):
     # --- on the loop ---------------------------------------------------------------------
 
     def _submit(self, fn: Callable[..., None], *args: object) -> None:
+        if self.loop is None:
+            # The first callback comes from the fleet's start, on the runtime's loop: bind
+            # to it (later callbacks may come from any thread).
+            try:
+                self.loop = asyncio.get_running_loop()
+            except RuntimeError:
+                log.warning("engine membership callback with no event loop: %s%s", fn, args)
+                return
         try:
             self.loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the loop is closed: the run is over, nothing to record

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -212,26 +213,26 @@ class RolloutRuntime:
         #: which the group is not re-dispatched (exponential backoff).
         self._retry_streak: dict[int, int] = {}
         self._not_before: dict[int, float] = {}
-        #: Records a fleet's engine membership in the log (set by start() for a fleet).
+        #: Records a fleet's engine membership in the log: installed as the fleet's
+        #: listener here (unless the caller installed its own), before the fleet starts,
+        #: so the engines' joins are recorded too.
         self.membership: EngineMembershipRecorder | None = None
+        # A fleet backend's module is imported once one exists (it needs the [torch]
+        # extra, which an in-process backend alone does not).
+        fleet = sys.modules.get(f"{__package__}.backends.fleet")
+        if (
+            fleet is not None
+            and isinstance(backend, fleet.FleetBackend)
+            and type(backend.listener) is fleet.FleetListener
+        ):
+            from .engine_membership import EngineMembershipRecorder
+
+            self.membership = EngineMembershipRecorder(controller, on_error=self._fail)
+            backend.listener = self.membership
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        """Start the backend and the pump.
-
-        A fleet backend's membership (engines joining, lost, refit) is recorded in the
-        log by an :class:`~rolloutlog.controller.engine_membership.EngineMembershipRecorder`
-        installed as its listener (unless the caller installed its own).
-        """
-        from .backends.fleet import FleetBackend, FleetListener
-
-        if isinstance(self.backend, FleetBackend) and type(self.backend.listener) is FleetListener:
-            from .engine_membership import EngineMembershipRecorder
-
-            self.membership = EngineMembershipRecorder(
-                self.controller, asyncio.get_running_loop(), on_error=self._fail
-            )
-            self.backend.listener = self.membership
+        """Start the backend and the pump."""
         await self.backend.start()
         self._pump_task = asyncio.create_task(self._pump(), name="rolloutlog-pump")
 
