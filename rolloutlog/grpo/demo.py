@@ -28,9 +28,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from rolloutlog.controller.domain.events import (
+    EngineJoined,
+    EngineLost,
+    EngineRefit,
+    RolloutEvent,
+    SiblingDispatched,
+)
 from rolloutlog.controller.domain.invariants import find_violations
 from rolloutlog.controller.prompt_ledger import build_ledger, cross_check
-from rolloutlog.controller.rollout_controller import replay
+from rolloutlog.controller.rollout_controller import iter_history, replay
 from rolloutlog.eventstore import EventStore
 
 from .run_config import RunConfig
@@ -216,6 +223,36 @@ def kill_step(steps: int, checkpoint_every: int) -> int:
     return min(target, steps - 2)
 
 
+def engine_summary(history: list[RolloutEvent]) -> dict[str, int]:
+    """Engine membership of a run's history, for the demo's summary.
+
+    ``siblings_redispatched_after_engine_loss``: attempts in flight on a lost engine
+    whose sibling was dispatched again later (a new attempt, on an engine that is up).
+    """
+    lost_attempts: list[tuple[int, int, int, int]] = []  # position, group, sibling, attempt
+    for i, ev in enumerate(history):
+        if isinstance(ev, EngineLost):
+            for rid in ev.in_flight:
+                g, s, a = (int(part[1:]) for part in rid.split("-"))
+                lost_attempts.append((i, g, s, a))
+    redispatched = sum(
+        1
+        for i, g, s, a in lost_attempts
+        if any(
+            isinstance(ev, SiblingDispatched)
+            and (ev.group_id, ev.sibling) == (g, s)
+            and ev.attempt > a
+            for ev in history[i + 1 :]
+        )
+    )
+    return {
+        "engines": len({ev.engine_id for ev in history if isinstance(ev, EngineJoined)}),
+        "engines_lost": sum(1 for ev in history if isinstance(ev, EngineLost)),
+        "engines_refit": sum(1 for ev in history if isinstance(ev, EngineRefit)),
+        "siblings_redispatched_after_engine_loss": redispatched,
+    }
+
+
 def run_demo(
     cfg: RunConfig,
     *,
@@ -249,6 +286,7 @@ def run_demo(
         check = cross_check(ledger, state)
         violations = [str(v) for v in find_violations(state)]
         last_seq = store.last_seq(rid)
+        engines = engine_summary([ev for _row, ev in iter_history(store, rid)])
     finally:
         store.close()
     steps = sorted(ledger.step_rewards)
@@ -283,6 +321,7 @@ def run_demo(
         "prompts_live_at_end": check.prompts_live,
         "prompts_lost": check.prompts_lost,
         "prompts_trained_twice": check.prompts_trained_twice,
+        **engines,
         "invariant_violations": violations,
         "log_events": last_seq,
         "seconds": round(time.perf_counter() - started, 1),
