@@ -116,7 +116,9 @@ def make_backend(
             max_model_len=cfg.model.max_model_len,
             seed=cfg.seed,
             latency_s=cfg.fleet.latency_s,
-            weight_version=weight_version,
+            # Engines start with model_dir's weights (version 0), also on a resume:
+            # sync_weights then loads the restored trainer's on every engine.
+            weight_version=0,
         )
     if kind == "vllm-fleet":
         from rolloutlog.controller.backends.fleet import FleetBackend
