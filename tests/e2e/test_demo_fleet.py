@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from rolloutlog.controller.rollout_controller import iter_history
 from rolloutlog.eventstore import EventStore
 
@@ -73,3 +75,45 @@ def test_fake_fleet_demo_with_an_engine_killed(tmp_path: Path) -> None:
         ev.event_type == "SiblingCompleted" and ev.engine_id == "engine-1"
         for ev in history[rejoin:refit]
     )
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_fleet_demo_with_an_engine_sigkilled(tmp_path: Path) -> None:
+    """Two real vLLM servers; one is SIGKILLed with work in flight and restarted."""
+    pytest.importorskip("vllm")
+    db = f"sqlite:///{tmp_path / 'log.db'}"
+    proc = rolloutlog(
+        "demo",
+        "--json",
+        "--backend",
+        "vllm-fleet",
+        "--engines",
+        "2",
+        "--kill-engine",
+        "--steps",
+        "10",
+        "--checkpoint-every",
+        "5",
+        "--workdir",
+        str(tmp_path / "work"),
+        "--db",
+        db,
+        timeout=1500,
+    )
+    assert proc.returncode == 0, f"demo failed:\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["ok"] is True and summary["steps_trained"] == 10
+    assert summary["engines"] == 2 and summary["engines_lost"] >= 1
+    assert summary["siblings_redispatched_after_engine_loss"] >= 1
+    assert summary["prompts_lost"] == 0 and summary["prompts_trained_twice"] == 0
+    with EventStore.open(db) as store:
+        history = [ev for _row, ev in iter_history(store, summary["run_id"])]
+    dispatched = {
+        (ev.group_id, ev.sibling, ev.attempt): ev.weight_version
+        for ev in history
+        if ev.event_type == "SiblingDispatched"
+    }
+    for ev in history:
+        if ev.event_type == "SiblingCompleted" and ev.salvaged_from is None:
+            assert ev.weight_version == dispatched[(ev.group_id, ev.sibling, ev.attempt)]
