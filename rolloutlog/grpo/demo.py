@@ -241,12 +241,37 @@ def _launch_engines(cfg: RunConfig) -> tuple[RunConfig, Any]:
             max_model_len=cfg.model.max_model_len,
             port_base=base,
             seed=cfg.seed,
+            # /load reports the requests in flight: the demo kills an engine that has some.
+            extra_args=["--enable-server-load-tracking"],
         )
     )
     launcher.start(wait=True)  # stops what it started when an engine fails to start
     urls = [e.url for e in launcher.engines]
     fleet = cfg.fleet.model_copy(update={"urls": urls})
     return cfg.model_copy(update={"fleet": fleet}), launcher
+
+
+def _server_load(url: str) -> int:
+    """Requests in flight on a vLLM server (``/load``; needs --enable-server-load-tracking)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url}/load", timeout=1.0) as resp:
+            return int(json.loads(resp.read())["server_load"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def _kill_and_restart(launcher: Any, notify: Callable[[dict[str, Any]], None]) -> None:
+    """SIGKILL the last engine's process group once it has requests in flight (within a
+    bounded wait), then restart it on the same port and wait until it is ready."""
+    victim = launcher.engines[-1]
+    deadline = time.monotonic() + 60.0
+    while _server_load(victim.url) == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)  # polling a local endpoint; bounded by the deadline
+    launcher.kill(victim.engine_id, signal.SIGKILL)
+    notify({"event": "engine_killed", "engine": victim.engine_id})
+    launcher.restart(victim.engine_id)
 
 
 def _port_free(port: int) -> bool:
@@ -272,24 +297,22 @@ def engine_summary(history: list[RolloutEvent]) -> dict[str, int]:
     """Engine membership of a run's history, for the demo's summary.
 
     ``siblings_redispatched_after_engine_loss``: attempts in flight on a lost engine
-    whose sibling was dispatched again later (a new attempt, on an engine that is up).
+    whose sibling was dispatched again (a new attempt). The new attempt may precede the
+    EngineLost event: a killed engine's requests fail (connections reset) before the
+    health probes declare it dead.
     """
-    lost_attempts: list[tuple[int, int, int, int]] = []  # position, group, sibling, attempt
-    for i, ev in enumerate(history):
+    lost: set[tuple[int, int, int]] = set()  # group, sibling, attempt
+    for ev in history:
         if isinstance(ev, EngineLost):
             for rid in ev.in_flight:
                 g, s, a = (int(part[1:]) for part in rid.split("-"))
-                lost_attempts.append((i, g, s, a))
-    redispatched = sum(
-        1
-        for i, g, s, a in lost_attempts
-        if any(
-            isinstance(ev, SiblingDispatched)
-            and (ev.group_id, ev.sibling) == (g, s)
-            and ev.attempt > a
-            for ev in history[i + 1 :]
-        )
-    )
+                lost.add((g, s, a))
+    newest: dict[tuple[int, int], int] = {}
+    for ev in history:
+        if isinstance(ev, SiblingDispatched):
+            key = (ev.group_id, ev.sibling)
+            newest[key] = max(newest.get(key, 0), ev.attempt)
+    redispatched = sum(1 for g, s, a in lost if newest.get((g, s), 0) > a)
     return {
         "engines": len({ev.engine_id for ev in history if isinstance(ev, EngineJoined)}),
         "engines_lost": sum(1 for ev in history if isinstance(ev, EngineLost)),
@@ -328,12 +351,11 @@ def run_demo(
                 and msg["step"] == cfg.fleet.kill_engine_at_step
             ):
                 # A real engine crash with generation in flight, then a restart on the
-                # same port (in the background: the run goes on with the other engines).
-                victim = launcher.engines[-1].engine_id
-                launcher.kill(victim, signal.SIGKILL)
-                notify("first", {"event": "engine_killed", "engine": victim})
+                # same port (in a thread: the run goes on with the other engines).
                 thread = threading.Thread(
-                    target=launcher.restart, args=(victim,), name="demo-engine-restart"
+                    target=_kill_and_restart,
+                    args=(launcher, lambda m: notify("first", m)),
+                    name="demo-engine-kill",
                 )
                 thread.start()
                 restarts.append(thread)
