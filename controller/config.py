@@ -116,6 +116,13 @@ class TelemetryConfig(BaseModel):
         description="Write per-step scalars as TensorBoard event files under "
         "TENSORBOARD_DIR/<run_id> while training (independent of enabled).",
     )
+    max_engine_labels: int = Field(
+        16,
+        ge=1,
+        description="Engines that get their own value of the engine label of the per-engine "
+        'metrics (in order of first appearance); later engines are counted as engine="other", '
+        "so a fleet that churns engine ids cannot grow the series without bound.",
+    )
 
 
 def fingerprint(data: object) -> str:

@@ -26,12 +26,18 @@ from .domain.commands import (
     FailSibling,
     MarkCheckpoint,
     PublishWeights,
+    RecordEngineJoined,
+    RecordEngineLost,
+    RecordEngineRefit,
     RecordTrainStep,
     SelectBatch,
 )
 from .domain.errors import DomainError
 from .domain.events import (
     CheckpointMarked,
+    EngineJoined,
+    EngineLost,
+    EngineRefit,
     GroupEvicted,
     GroupSelected,
     RolloutEvent,
@@ -233,8 +239,15 @@ def explain(
     for gid in groups:
         for row in read_where(store, run_id, group_id=gid):
             rows[row.seq] = row
-    segments = store.history_segments(run_id)
     from .domain.events import CODEC
+
+    # An engine's loss is about every attempt it held: show it with those groups.
+    for row in read_where(store, run_id, event_type="EngineLost"):
+        lost = CODEC.decode(row)
+        assert isinstance(lost, EngineLost)
+        if any(_group_of_request(rid) in groups for rid in lost.in_flight):
+            rows[row.seq] = row
+    segments = store.history_segments(run_id)
 
     out = []
     for seq in sorted(rows):
@@ -253,6 +266,12 @@ def explain(
             }
         )
     return out
+
+
+def _group_of_request(request_id: str) -> int | None:
+    """The group of a sibling request id ``g{group}-s{sibling}-a{attempt}`` (None: other)."""
+    head = request_id.split("-", 1)[0]
+    return int(head[1:]) if head[:1] == "g" and head[1:].isdigit() else None
 
 
 # ---------------------------------------------------------------- check
@@ -340,7 +359,14 @@ def command_for(decision: Decision, state: RunState) -> Command | None:
             reward=lead.reward,
             payload_id=lead.payload_id,
             finish_reason=lead.finish_reason,
+            engine_id=lead.engine_id,
         )
+    if isinstance(lead, EngineJoined):
+        return RecordEngineJoined(lead.engine_id, lead.address, lead.weight_version)
+    if isinstance(lead, EngineLost):
+        return RecordEngineLost(lead.engine_id, lead.reason, tuple(lead.in_flight))
+    if isinstance(lead, EngineRefit):
+        return RecordEngineRefit(lead.engine_id, lead.weight_version)
     if isinstance(lead, SiblingFailed):
         return FailSibling(lead.group_id, lead.sibling, lead.attempt, lead.retryable, lead.reason)
     if isinstance(lead, SiblingAborted):

@@ -186,9 +186,10 @@ def read_where(
     prompt_index: int | None = None,
     train_step: int | None = None,
     target_step: int | None = None,
+    event_type: str | None = None,
 ) -> list[IndexedEvent]:
-    """Events of one group / prompt / step, through the index, in order (all of the run's
-    events, abandoned ones included, when no key is given)."""
+    """Events of one group / prompt / step (and / or of one type), through the index, in
+    order (all of the run's events, abandoned ones included, when no key is given)."""
     equals = {
         k: v
         for k, v in (
@@ -196,11 +197,23 @@ def read_where(
             ("prompt_index", prompt_index),
             ("train_step", train_step),
             ("target_step", target_step),
+            ("type", event_type),
         )
         if v is not None
     }
     if not equals:
         return list(read_indexed(store, run_id))
+    if event_type is not None and not isinstance(store, EventStore):
+        # The in-memory store's derived rows are looked up by key; filter its rows instead.
+        keyed = read_where(
+            store,
+            run_id,
+            group_id=group_id,
+            prompt_index=prompt_index,
+            train_step=train_step,
+            target_step=target_step,
+        )
+        return [row for row in keyed if row.type == event_type]
     if isinstance(store, EventStore):
         return _sql_read_where(store, run_id, equals)
     attach(store)

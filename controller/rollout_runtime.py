@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -61,6 +62,8 @@ log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # torch is the [torch] extra; only annotations need it here
     import torch
+
+    from .engine_membership import EngineMembershipRecorder
 
 
 class GenerationConfig(BaseModel):
@@ -215,6 +218,22 @@ class RolloutRuntime:
         #: which the group is not re-dispatched (exponential backoff).
         self._retry_streak: dict[int, int] = {}
         self._not_before: dict[int, float] = {}
+        #: Records a fleet's engine membership in the log: installed as the fleet's
+        #: listener here (unless the caller installed its own), before the fleet starts,
+        #: so the engines' joins are recorded too.
+        self.membership: EngineMembershipRecorder | None = None
+        # A fleet backend's module is imported once one exists (it needs the [torch]
+        # extra, which an in-process backend alone does not).
+        fleet = sys.modules.get(f"{__package__}.backends.fleet")
+        if (
+            fleet is not None
+            and isinstance(backend, fleet.FleetBackend)
+            and type(backend.listener) is fleet.FleetListener
+        ):
+            from .engine_membership import EngineMembershipRecorder
+
+            self.membership = EngineMembershipRecorder(controller, on_error=self._fail)
+            backend.listener = self.membership
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -419,6 +438,7 @@ class RolloutRuntime:
                         reward=reward,
                         payload_id=payload_id,
                         finish_reason=res.finish_reason,
+                        engine_id=res.engine_id,
                     ),
                     payload_puts=(PayloadPut(payload_id, "sibling", data),),
                 )

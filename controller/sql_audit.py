@@ -50,6 +50,9 @@ VIEWS: dict[str, str] = {
     "prompt_outcomes": "one row per pulled prompt (pass, index): trained, dropped, evicted or live",
     "recoveries": "one row per restore (and takeover) in the history, with its counts",
     "run_summary": "one row per run: epochs, history size, steps, prompt outcomes",
+    "sample_engines": "one row per completed sibling attempt, with the engine that made it",
+    "engine_membership": "one row per engine joined, lost or refit",
+    "engine_lost_attempts": "one row per attempt in flight on an engine when it was lost",
 }
 
 #: Default limit of rows a query returns (more are reported as truncated).

@@ -48,6 +48,7 @@ class CompleteSibling:
     reward: float
     payload_id: str
     finish_reason: str
+    engine_id: str | None = None  # the engine that generated it, when known
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +145,32 @@ class EvictStale:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class RecordEngineJoined:
+    """A generation engine answers at ``address`` holding ``weight_version`` (None: unknown)."""
+
+    engine_id: str
+    address: str
+    weight_version: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RecordEngineLost:
+    """An engine was declared dead with these sibling attempts (request ids) in flight."""
+
+    engine_id: str
+    reason: str
+    in_flight: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RecordEngineRefit:
+    """An engine now holds ``weight_version``."""
+
+    engine_id: str
+    weight_version: int
+
+
 Command = (
     StartRun
     | AdmitStep
@@ -158,4 +185,7 @@ Command = (
     | Restore
     | Resume
     | EvictStale
+    | RecordEngineJoined
+    | RecordEngineLost
+    | RecordEngineRefit
 )

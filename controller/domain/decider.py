@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from . import admission, buffer, restore, siblings, training
+from . import admission, buffer, engines, restore, siblings, training
 from .commands import (
     AbortSibling,
     AdmitStep,
@@ -20,6 +20,9 @@ from .commands import (
     FailSibling,
     MarkCheckpoint,
     PublishWeights,
+    RecordEngineJoined,
+    RecordEngineLost,
+    RecordEngineRefit,
     RecordTrainStep,
     Restore,
     Resume,
@@ -44,6 +47,9 @@ _DECIDERS: dict[type, Callable[[RunState, Any], list[RolloutEvent]]] = {
     Restore: restore.decide_restore,
     Resume: restore.decide_resume,
     EvictStale: lambda state, cmd: restore.decide_evict_stale(state, cmd.reason),
+    RecordEngineJoined: engines.decide_joined,
+    RecordEngineLost: engines.decide_lost,
+    RecordEngineRefit: engines.decide_refit,
 }
 
 _EVOLVERS: dict[type, Callable[[RunState, Any], None]] = {
@@ -52,7 +58,18 @@ _EVOLVERS: dict[type, Callable[[RunState, Any], None]] = {
     **buffer.EVOLVERS,
     **training.EVOLVERS,
     **restore.EVOLVERS,
+    **engines.EVOLVERS,
 }
+
+
+_ALLOWED_AFTER_FAILURE = (
+    Restore,
+    Resume,
+    MarkCheckpoint,
+    RecordEngineJoined,
+    RecordEngineLost,
+    RecordEngineRefit,
+)
 
 
 def initial_state() -> RunState:
@@ -71,8 +88,9 @@ def decide(state: RunState, command: Command) -> list[RolloutEvent]:
     if state.config is None and not isinstance(command, StartRun):
         raise IllegalTransitionError("the run has not started")
     # A failed run can still be taken over (Resume fences the old writer), checkpointed
-    # and restored; everything else is refused with the failure.
-    if state.failure is not None and not isinstance(command, Restore | Resume | MarkCheckpoint):
+    # and restored, and engine membership (a fact about the world) is still recorded;
+    # everything else is refused with the failure.
+    if state.failure is not None and not isinstance(command, _ALLOWED_AFTER_FAILURE):
         raise RunFailedError(state.failure)
     return handler(state, command)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from pydantic import Field
+
 from rolloutlog.eventstore import EventCodec, EventModel
 
 CODEC = EventCodec()
@@ -118,6 +120,8 @@ class SiblingDispatched(RolloutEvent):
     sibling: int
     attempt: int
     weight_version: int
+    #: The engine it was routed to, when known at dispatch (None: routed later).
+    engine_id: str | None = None
 
     def audit_keys(self) -> AuditKeys:
         return AuditKeys(group_id=self.group_id)
@@ -142,6 +146,8 @@ class SiblingCompleted(RolloutEvent):
     payload_id: str
     finish_reason: str
     salvaged_from: int | None = None
+    #: The engine that generated it (None: in-process backend, or an older log).
+    engine_id: str | None = None
 
     def audit_keys(self) -> AuditKeys:
         return AuditKeys(group_id=self.group_id)
@@ -333,3 +339,40 @@ class RunResumed(RolloutEvent):
     event_type = "RunResumed"
     epoch: int
     siblings_rerun: int
+
+
+@CODEC.register
+class EngineJoined(RolloutEvent):
+    """A generation engine answers at ``address`` (at start, or again after a loss).
+
+    ``weight_version`` is the version it holds, ``None`` when unknown (a restarted
+    engine is stale until an :class:`EngineRefit`).
+    """
+
+    event_type = "EngineJoined"
+    engine_id: str
+    address: str
+    weight_version: int | None = None
+
+
+@CODEC.register
+class EngineLost(RolloutEvent):
+    """An engine was declared dead; ``in_flight`` are the sibling attempts it held.
+
+    Each entry is a request id ``g{group}-s{sibling}-a{attempt}``. Those attempts end
+    as any other abandoned attempt (a retryable failure, or an abort on restore).
+    """
+
+    event_type = "EngineLost"
+    engine_id: str
+    reason: str
+    in_flight: list[str] = Field(default_factory=list)
+
+
+@CODEC.register
+class EngineRefit(RolloutEvent):
+    """An engine now holds ``weight_version`` (a refit, or a fleet-wide update)."""
+
+    event_type = "EngineRefit"
+    engine_id: str
+    weight_version: int

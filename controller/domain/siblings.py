@@ -122,6 +122,7 @@ def decide_complete(state: RunState, cmd: CompleteSibling) -> list[RolloutEvent]
             reward=cmd.reward,
             payload_id=cmd.payload_id,
             finish_reason=cmd.finish_reason,
+            engine_id=cmd.engine_id,
         )
     ]
     events.extend(

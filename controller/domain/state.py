@@ -108,6 +108,21 @@ class Counters:
     siblings_salvaged: int = 0
     tokens_generated: int = 0
     tokens_committed: int = 0
+    engines_lost: int = 0
+    engines_refit: int = 0
+    engine_lost_attempts: int = 0  # attempts in flight on engines when they were lost
+
+
+@dataclass(slots=True)
+class EngineState:
+    """One generation engine as the log knows it (membership, not health)."""
+
+    engine_id: str
+    address: str
+    weight_version: int | None  # None: unknown (stale until refit) or lost
+    lost: bool = False
+    joins: int = 1
+    losses: int = 0
 
 
 @dataclass(slots=True)
@@ -147,6 +162,7 @@ class RunState:
     counters: Counters = field(default_factory=Counters)
     checkpoint: CheckpointRef | None = None
     failure: str | None = None  # set when the drop policy "fail" stopped the run
+    engines: dict[str, EngineState] = field(default_factory=dict)  # by engine id
 
     @property
     def rules(self) -> RolloutConfig:
@@ -197,7 +213,7 @@ class RunState:
             value = getattr(self, name)
             if name == "config":
                 data[name] = value.model_dump() if value else None
-            elif name in ("groups", "loans"):
+            elif name in ("groups", "loans", "engines"):
                 data[name] = [_as_plain(item) for item in value.values()]
             elif name in ("quotas", "batches", "batch_shortfall"):
                 data[name] = [[k, v] for k, v in value.items()]
@@ -241,6 +257,8 @@ class RunState:
             counters=Counters(**data["counters"]),
             checkpoint=CheckpointRef(**data["checkpoint"]) if data["checkpoint"] else None,
             failure=data["failure"],
+            # Snapshots written before engine membership have no engine table.
+            engines={e["engine_id"]: EngineState(**e) for e in data.get("engines", [])},
         )
 
 

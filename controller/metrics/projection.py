@@ -25,10 +25,14 @@ from typing import Any, Literal
 
 from rolloutlog.eventstore import EventStore
 
+from ..config import TelemetryConfig
 from ..domain.events import (
     CODEC,
     BatchSelected,
     CheckpointMarked,
+    EngineJoined,
+    EngineLost,
+    EngineRefit,
     GroupAdmitted,
     GroupBorrowed,
     GroupCommitted,
@@ -57,6 +61,9 @@ MetricKind = Literal["counter", "gauge", "histogram"]
 STALENESS_BUCKETS: tuple[float, ...] = (0, 1, 2, 3, 4, 5, 6, 8, 10, 16, 32)
 
 #: Values of the ``outcome`` label of ``rollout_prompts_dropped_total`` (what filled the slot).
+#: The engine label value of engines past ``telemetry.max_engine_labels`` (a label value,
+#: not a tunable).
+OTHER_ENGINE = "other"
 DROP_OUTCOMES: tuple[str, ...] = ("replaced", "borrowed", "shrunk", "unreplaced", "run_failed")
 
 
@@ -211,6 +218,19 @@ METRICS: dict[str, MetricInfo] = {
         "checkpoint), kind=rerun (generated again), kind=salvaged (finished after the "
         "checkpoint by weights the restored trainer has).",
         ("kind",),
+    ),
+    "rollout_engine_siblings_completed_total": MetricInfo(
+        "counter",
+        "siblings",
+        "Sibling completions by the engine that generated them (in-process backends have no "
+        'engine and are not counted; engines past telemetry.max_engine_labels: "other").',
+        ("engine",),
+    ),
+    "rollout_engine_losses_total": MetricInfo(
+        "counter",
+        "engines",
+        "Engines lost (EngineLost events), by engine (bounded like the completions).",
+        ("engine",),
     ),
     "rollout_events_total": MetricInfo(
         "counter", "events", "Events stored for the run (all epochs), by event type.", ("type",)
@@ -470,6 +490,8 @@ class WorkTotals:
         self.recovery_groups: dict[str, int] = {"complete": 0, "unfinished": 0}
         self.recovery_siblings: dict[str, int] = {"reused": 0, "rerun": 0, "salvaged": 0}
         self.events_by_type: dict[str, int] = {}
+        self.engine_completed: dict[str, int] = {OTHER_ENGINE: 0}
+        self.engine_lost: dict[str, int] = {OTHER_ENGINE: 0}
         self.staleness = Histogram(STALENESS_BUCKETS)
         self.staleness_values: dict[int, int] = {}
 
@@ -492,6 +514,8 @@ _COUNTER_FIELDS = (
     "recovery_groups",
     "recovery_siblings",
     "events_by_type",
+    "engine_completed",
+    "engine_lost",
     "staleness_values",
 )
 
@@ -505,8 +529,13 @@ class MetricsProjection:
     prefix of the log's current history (see :meth:`consistent_with`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_engine_labels: int | None = None) -> None:
         self.run_id: str | None = None
+        #: Engines with their own label value (the rest count as ``other``).
+        self.max_engine_labels = (
+            TelemetryConfig().max_engine_labels if max_engine_labels is None else max_engine_labels
+        )
+        self._engine_labels: set[str] = set()
         self.offset = 0
         self.applied_segments: list[tuple[int, int]] = []
         self.epoch = 0
@@ -522,6 +551,8 @@ class MetricsProjection:
         self.recovery_groups: dict[str, int] = {"complete": 0, "unfinished": 0}
         self.recovery_siblings: dict[str, int] = {"reused": 0, "rerun": 0, "salvaged": 0}
         self.events_by_type: dict[str, int] = {}
+        self.engine_completed: dict[str, int] = {OTHER_ENGINE: 0}
+        self.engine_lost: dict[str, int] = {OTHER_ENGINE: 0}
         self.staleness = Histogram(STALENESS_BUCKETS)
         self.staleness_values: dict[int, int] = {}
         self.train_step = 0
@@ -588,6 +619,9 @@ class MetricsProjection:
         other.recovery_groups = dict(self.recovery_groups)
         other.recovery_siblings = dict(self.recovery_siblings)
         other.events_by_type = dict(self.events_by_type)
+        other.engine_completed = dict(self.engine_completed)
+        other.engine_lost = dict(self.engine_lost)
+        other._engine_labels = set(self._engine_labels)
         other.staleness = self.staleness.copy()
         other.staleness_values = dict(self.staleness_values)
         other.steps = list(self.steps)
@@ -611,7 +645,19 @@ class MetricsProjection:
             truncated.append((first, min(last, self.offset)))
         return truncated == self.applied_segments
 
+    def _engine_label(self, engine_id: str) -> str:
+        """``engine_id``, or ``other`` once ``max_engine_labels`` engines have a label."""
+        if engine_id in self._engine_labels:
+            return engine_id
+        if len(self._engine_labels) < self.max_engine_labels and engine_id != OTHER_ENGINE:
+            self._engine_labels.add(engine_id)
+            return engine_id
+        return OTHER_ENGINE
+
     # ------------------------------------------------------------------ handlers
+    def _engine_lost(self, _o: int, _m: EventMeta, ev: EngineLost) -> None:
+        self._add("engine_lost", self._engine_label(ev.engine_id))
+
     def _run_started(self, _o: int, _m: EventMeta, ev: RunStarted) -> None:
         self.run_id = ev.run_id
         self.staleness_bound = int(ev.rollout["staleness_bound"])
@@ -642,6 +688,8 @@ class MetricsProjection:
         work = ev.salvaged_from is None
         self._add("counts", "siblings_completed", work=work)
         self._add("counts", "tokens_generated", ev.completion_tokens, work=work)
+        if ev.engine_id is not None:
+            self._add("engine_completed", self._engine_label(ev.engine_id), work=work)
 
     def _failed(self, _o: int, _m: EventMeta, ev: SiblingFailed) -> None:
         self._group(ev.group_id).in_flight.discard(ev.sibling)
@@ -961,6 +1009,8 @@ def _counter_families(
     out.append(labelled("rollout_recovery_groups_total", "recovery_groups"))
     out.append(labelled("rollout_recovery_siblings_total", "recovery_siblings"))
     out.append(labelled("rollout_events_total", "events_by_type"))
+    out.append(labelled("rollout_engine_siblings_completed_total", "engine_completed"))
+    out.append(labelled("rollout_engine_losses_total", "engine_lost"))
     staleness = src.staleness.minus(base.staleness if base is not None else None)
     out.append(
         Family(
@@ -1011,6 +1061,7 @@ _SCALAR_FIELDS = (
     "published_version",
     "last_reward_mean",
     "last_checkpoint",
+    "max_engine_labels",
 )
 
 _Handler = Callable[[MetricsProjection, int, EventMeta, Any], None]
@@ -1036,6 +1087,9 @@ _HANDLERS: dict[type, _Handler] = {
     CheckpointMarked: MetricsProjection._checkpoint,
     RunRestored: MetricsProjection._run_restored,
     RunResumed: MetricsProjection._run_resumed,
+    EngineJoined: MetricsProjection._noop,
+    EngineLost: MetricsProjection._engine_lost,
+    EngineRefit: MetricsProjection._noop,
 }
 
 

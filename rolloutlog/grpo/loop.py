@@ -27,6 +27,7 @@ from rolloutlog.controller.workloads.dataset import PromptDataset
 from rolloutlog.controller.workloads.run import check_model_fits, dataset_prompts, prepare_model_dir
 from rolloutlog.eventstore import EpochFencedError, EventStore
 
+from .fake_fleet import InProcessFakeFleet
 from .model_loader import load_causal_lm
 from .run_config import BackendKind, RunConfig
 from .toy_task import ToyTask
@@ -103,6 +104,36 @@ def make_backend(
         # ``weight_version``: after a restore ``sync_weights`` then loads the trainer's.
         return VLLMBackend(  # type: ignore[return-value]
             model_dir, max_model_len=cfg.model.max_model_len, seed=cfg.seed
+        )
+    if kind == "fake-fleet":
+        from .fake_fleet import InProcessFakeFleet
+
+        return InProcessFakeFleet(
+            cfg.fleet.engines,
+            model_dir=model_dir,
+            vocab_size=len(tokenizer),
+            eos_token_id=tokenizer.eos_token_id,
+            max_model_len=cfg.model.max_model_len,
+            seed=cfg.seed,
+            latency_s=cfg.fleet.latency_s,
+            # Engines start with model_dir's weights (version 0), also on a resume:
+            # sync_weights then loads the restored trainer's on every engine.
+            weight_version=0,
+        )
+    if kind == "vllm-fleet":
+        from rolloutlog.controller.backends.fleet import FleetBackend
+        from rolloutlog.controller.backends.vllm_server import VLLMServerBackend
+
+        if not cfg.fleet.urls:
+            raise ValueError("backend vllm-fleet needs fleet.urls (the engines' base URLs)")
+        # The engines start with model_dir's weights (version 0): the fleet treats them
+        # as stale until refit to the published version, so a resume can sync first.
+        return FleetBackend(
+            [
+                VLLMServerBackend(url, model_dir=model_dir, engine_id=f"engine-{i}")
+                for i, url in enumerate(cfg.fleet.urls)
+            ],
+            model_dir=model_dir,
         )
     from rolloutlog.controller.backends.deterministic_backend import DeterministicBackend
 
@@ -291,6 +322,12 @@ async def run_training(
             stopped: str | None = None
             last = first
             for step in range(first, cfg.steps):
+                if step == cfg.fleet.kill_engine_at_step and isinstance(
+                    backend, InProcessFakeFleet
+                ):
+                    victim = len(backend.servers) - 1
+                    await backend.kill_and_restart(victim)
+                    emit({"event": "engine_killed", "step": step, "engine": victim})
                 try:
                     batch = await runtime.next_batch(step)
                 except DataExhaustedError as exc:

@@ -25,7 +25,7 @@ from rolloutlog.controller.workloads.rewards import RewardConfig
 from .toy_task import ToyTaskConfig
 from .trainer import GRPOConfig
 
-BackendKind = Literal["torch", "vllm", "deterministic"]
+BackendKind = Literal["torch", "vllm", "deterministic", "fake-fleet", "vllm-fleet"]
 
 
 class ModelConfig(BaseModel):
@@ -43,6 +43,27 @@ class ModelConfig(BaseModel):
     )
     seed: int = Field(0, ge=0, description="Seed of the initial weights (build: tiny).")
     max_model_len: int = Field(64, ge=8, description="Prompt + completion tokens per sibling.")
+
+
+class FleetRunConfig(BaseModel):
+    """Engines of the fleet backends (``fake-fleet``, ``vllm-fleet``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    engines: int = Field(2, ge=1, description="fake-fleet: engines started in the process.")
+    urls: list[str] = Field(
+        default_factory=list,
+        description="vllm-fleet: base URLs of running vLLM servers (one engine each).",
+    )
+    kill_engine_at_step: int | None = Field(
+        None,
+        ge=0,
+        description="fake-fleet: at the start of this train step, kill the last engine "
+        "with work in flight and restart it (the demo's engine-loss scenario).",
+    )
+    latency_s: float = Field(
+        0.02, ge=0, description="fake-fleet: seconds each fake engine takes per request."
+    )
 
 
 class RunConfig(BaseModel):
@@ -77,6 +98,7 @@ class RunConfig(BaseModel):
     reward: RewardConfig | None = Field(
         None, description="Reward of dataset prompts (default when a dataset is set: exact_match)."
     )
+    fleet: FleetRunConfig = Field(default_factory=FleetRunConfig)
     passes: int = Field(
         1,
         ge=1,
@@ -103,4 +125,11 @@ def load_run_config(path: Path) -> RunConfig:
     return cfg
 
 
-__all__ = ["BackendKind", "ConfigError", "ModelConfig", "RunConfig", "load_run_config"]
+__all__ = [
+    "BackendKind",
+    "ConfigError",
+    "FleetRunConfig",
+    "ModelConfig",
+    "RunConfig",
+    "load_run_config",
+]

@@ -5,6 +5,7 @@ are the views' columns."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -229,6 +230,24 @@ def check_events_per_type_per_epoch(b: BuiltRun) -> None:
     assert pairs(rows, "epoch", "type") == sorted(want)
 
 
+def check_engine_of_sample(b: BuiltRun) -> None:
+    # The scripted run generates in process: every sample is there, with no engine (the
+    # fleet run in tests/backends/test_fleet_membership.py checks real engine ids).
+    gid = next(e.group_id for e in b.history if e.type == "SiblingCompleted")
+    want = sorted(
+        (e.group_id, json.loads(e.payload)["sibling"], json.loads(e.payload)["attempt"])
+        for e in b.history
+        if e.type == "SiblingCompleted" and e.group_id == gid
+    )
+    rows = run(b, "engine-of-sample", group_id=gid)
+    assert pairs(rows, "group_id", "sibling", "attempt") == want and want
+    assert {r["engine_id"] for r in rows} == {None}
+
+
+def check_in_flight_on_lost_engine(b: BuiltRun) -> None:
+    assert run(b, "in-flight-on-lost-engine", engine_id="e0") == []  # no engine was lost
+
+
 CHECKS: dict[str, Callable[[BuiltRun], None]] = {
     "step-of-prompt": check_step_of_prompt,
     "steps-of-all-prompts": check_steps_of_all_prompts,
@@ -245,7 +264,10 @@ CHECKS: dict[str, Callable[[BuiltRun], None]] = {
     "abandoned-events": check_abandoned_events,
     "history-spans": check_history_spans,
     "events-per-type-per-epoch": check_events_per_type_per_epoch,
+    "engine-of-sample": check_engine_of_sample,
+    "in-flight-on-lost-engine": check_in_flight_on_lost_engine,
 }
+
 
 #: The questions the cookbook must answer in one query each.
 REQUIRED = {

@@ -16,7 +16,7 @@ from rolloutlog.controller.config import RolloutConfig, StoreConfig, TelemetryCo
 from rolloutlog.controller.rollout_runtime import GenerationConfig
 from rolloutlog.controller.workloads.dataset import DatasetConfig
 from rolloutlog.controller.workloads.rewards import RewardConfig
-from rolloutlog.grpo.run_config import ModelConfig, RunConfig
+from rolloutlog.grpo.run_config import FleetRunConfig, ModelConfig, RunConfig
 from rolloutlog.grpo.toy_task import ToyTaskConfig
 from rolloutlog.grpo.trainer import GRPOConfig
 
@@ -32,6 +32,7 @@ MODELS: list[type[BaseModel]] = [
     GRPOConfig,
     DatasetConfig,
     RewardConfig,
+    FleetRunConfig,
 ]
 
 
