@@ -4,9 +4,11 @@ subprocesses, and the vLLM policy of ``tests/backends/conftest.py`` (without the
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -33,9 +35,34 @@ def run_cmd(
     env = dict(
         os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TRANSFORMERS_VERBOSITY="error"
     )
-    return subprocess.run(
-        args, capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO, env=env, check=False
+    # Its own process group: on a timeout (or when it leaves children behind, e.g. vLLM's
+    # engine processes) the whole group is killed, so nothing of it outlives the test.
+    proc = subprocess.Popen(
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd or REPO,
+        env=env,
+        start_new_session=True,
     )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc.pid)
+        out, err = proc.communicate(timeout=30)
+        raise AssertionError(
+            f"{' '.join(args)} did not finish in {timeout} s; stderr: {err[-3000:]}"
+        ) from None
+    finally:
+        _kill_group(proc.pid)
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL every process left in the process group ``pgid`` (none: nothing to do)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
 
 
 def rolloutlog(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
