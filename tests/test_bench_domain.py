@@ -193,6 +193,7 @@ def _asdict_reference(state: RunState) -> dict[str, Any]:
     data["config"] = state.config.model_dump() if state.config else None
     data["groups"] = [asdict(g) for g in state.groups.values()]
     data["loans"] = [asdict(loan) for loan in state.loans.values()]
+    data["engines"] = [asdict(engine) for engine in state.engines.values()]
     data["quotas"] = [[k, v] for k, v in state.quotas.items()]
     data["batches"] = [[k, v] for k, v in state.batches.items()]
     data["batch_shortfall"] = [[k, v] for k, v in state.batch_shortfall.items()]

@@ -20,6 +20,7 @@ class EsSiblingDispatched(DomainEvent):
     sibling: int
     attempt: int
     weight_version: int
+    engine_id: str | None
 
 
 class EsSiblingCompleted(DomainEvent):
@@ -36,3 +37,4 @@ class EsSiblingCompleted(DomainEvent):
     payload_id: str
     finish_reason: str
     salvaged_from: int | None
+    engine_id: str | None

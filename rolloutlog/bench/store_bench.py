@@ -138,6 +138,7 @@ def payload_dict(s: Spec) -> dict[str, Any]:
         d["payload_id"] = f"tok-{s.group_id:08d}-{s.sibling:02d}-{s.attempt}"
         d["finish_reason"] = "length" if s.completion_tokens > 2000 else "stop"
         d["salvaged_from"] = None
+    d["engine_id"] = None  # an in-process backend's events name no engine
     return d
 
 

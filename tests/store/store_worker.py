@@ -71,8 +71,17 @@ def contend(url: str, run_id: str, writer: int, n: int, batch: int) -> None:
 
 def readonly_as_nobody(path: str, run_id: str, shared: str | None = None) -> None:
     if shared is not None:
-        sys.path.insert(0, shared)  # before anything imports `migrations`
-        os.chdir(shared)  # the checkout may be out of nobody's reach
+        # The checkout may be out of nobody's reach: alembic reads the copies in SHARED.
+        import rolloutlog.migrations
+        from rolloutlog.eventstore import migrate
+
+        root = Path(shared)
+        migrate.migrations_dir = lambda: root / "migrations"  # type: ignore[assignment]
+        rolloutlog.migrations.version_locations = lambda script_dir: [  # type: ignore[assignment]
+            script_dir / "versions",
+            root / "index_migrations",
+        ]
+        os.chdir(shared)
     # Import everything the store loads lazily while still root: nobody cannot read the
     # interpreter's files under /root.
     warm = tempfile.mkdtemp()

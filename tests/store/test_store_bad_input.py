@@ -204,6 +204,13 @@ def test_readonly_sqlite_file(tmp_path: Path) -> None:
         shutil.copytree(
             migrations_dir(), shared / "migrations", ignore=shutil.ignore_patterns("__pycache__")
         )
+        import rolloutlog.controller.index_migrations as index_migrations
+
+        shutil.copytree(
+            Path(index_migrations.__file__).parent,
+            shared / "index_migrations",
+            ignore=shutil.ignore_patterns("__pycache__"),
+        )
         for p in [shared, *shared.rglob("*")]:
             os.chmod(p, 0o755 if p.is_dir() else 0o644)
         res = subprocess.run(
