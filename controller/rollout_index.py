@@ -140,12 +140,8 @@ def encode(
     weight_version: int | None = None,
 ) -> NewEvent:
     """A rollout event as a row to append, carrying its keys for :data:`ROLLOUT_INDEXER`."""
-    keys: AuditKeys = event.audit_keys()
-    return CODEC.encode(
-        event,
-        recorded_at=recorded_at,
-        derived=(keys.group_id, keys.prompt_index, keys.target_step, train_step, weight_version),
-    )
+    keys: AuditKeys = event.audit_keys()  # (group_id, prompt_index, target_step)
+    return CODEC.encode(event, recorded_at=recorded_at, derived=(*keys, train_step, weight_version))
 
 
 # ---------------------------------------------------------------- reads

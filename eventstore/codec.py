@@ -81,9 +81,10 @@ class EventCodec:
         cls = type(event)
         if self._types.get(cls.event_type) is not cls:
             raise TypeError(f"event class {cls.__name__} is not registered with this codec")
-        return NewEvent(
-            cls.event_type, cls.schema_version, event.model_dump_json(), recorded_at, derived
-        )
+        # What event.model_dump_json() runs, minus its Python wrapper (the append hot
+        # path: a third of the cost); the model's serialisation settings apply the same.
+        payload = cls.__pydantic_serializer__.to_json(event).decode()
+        return NewEvent(cls.event_type, cls.schema_version, payload, recorded_at, derived)
 
     def decode(self, row: StoredEvent) -> EventModel:
         """Turn a stored row back into its typed event, upcasting older schema versions.

@@ -7,8 +7,7 @@ code. All events are registered with :data:`CODEC`, the mapper to stored rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import Field
 
@@ -17,10 +16,12 @@ from rolloutlog.eventstore import EventCodec, EventModel
 CODEC = EventCodec()
 
 
-@dataclass(frozen=True, slots=True)
-class AuditKeys:
+class AuditKeys(NamedTuple):
     """The group / prompt / target step an event is about (kept in the rollout index,
-    ``controller/rollout_index.py``, for audit lookups)."""
+    ``controller/rollout_index.py``, for audit lookups).
+
+    A named tuple: one is built per event on the append path (a frozen dataclass costs
+    five times as much)."""
 
     group_id: int | None = None
     prompt_index: int | None = None

@@ -33,7 +33,6 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -189,7 +188,7 @@ def _shifted(events: list[NewEvent], group_shift: int, prompt_shift: int) -> lis
         gid, pidx, *rest = e.derived
         gid = None if gid is None else gid + group_shift
         pidx = None if pidx is None else pidx + prompt_shift
-        out.append(replace(e, derived=(gid, pidx, *rest)))
+        out.append(e._replace(derived=(gid, pidx, *rest)))
     return out
 
 
