@@ -81,6 +81,13 @@ class StoreConfig(BaseModel):
     snapshot_interval: int = Field(
         50_000, ge=0, description="Events between state snapshots (0: never snapshot)."
     )
+    snapshot_slice_ms: float = Field(
+        10.0,
+        gt=0,
+        description="Longest one command spends re-encoding the groups it and earlier "
+        "commands touched, once a snapshot is due (the snapshot is taken when none is "
+        "left; joining and compressing run on the snapshot thread).",
+    )
     require_stored_payloads: bool = Field(
         True,
         description="Refuse a CompleteSibling whose payload is neither put with it nor "

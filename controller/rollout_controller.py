@@ -14,7 +14,6 @@ import json
 import logging
 import threading
 import time
-import zlib
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -51,6 +50,7 @@ from .domain.events import CheckpointMarked, RolloutEvent, SiblingCompleted
 from .domain.invariants import check_invariants
 from .domain.state import RunState
 from .rollout_index import IndexedEvent, attach, encode, read_history_indexed
+from .snapshot_encoder import SnapshotEncoder, decode_snapshot, encode_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -68,17 +68,6 @@ Clock = Callable[[], datetime]
 def run_fingerprint(rollout: RolloutConfig, dataset_fingerprint: str) -> str:
     """The fingerprint a restore compares: the rollout rules and the dataset."""
     return fingerprint({"rollout": rollout.model_dump(), "dataset": dataset_fingerprint})
-
-
-def encode_snapshot(state: RunState) -> bytes:
-    """Compressed JSON of the state (deterministic: sorted keys)."""
-    raw = json.dumps(state.to_snapshot(), sort_keys=True, separators=(",", ":"))
-    return zlib.compress(raw.encode(), 1)
-
-
-def decode_snapshot(data: bytes) -> RunState:
-    """The inverse of :func:`encode_snapshot`."""
-    return RunState.from_snapshot(json.loads(zlib.decompress(data)))
 
 
 @dataclass
@@ -200,10 +189,15 @@ class RolloutController:
             lock_timeout_s=self.store_config.writer_lock_timeout_s,
         )
         self._last_snapshot = state.last_seq
+        # Keeps the snapshot's group JSON current a slice at a time (snapshot_encoder.py).
+        self._snapshot_encoder = SnapshotEncoder()
         self._snapshots = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rolloutlog-snap")
         self._snapshot_future: Future[None] | None = None
         self.snapshot_failures = 0
         self.snapshots_written = 0
+        #: The longest any one command spent on snapshot work (re-encoding groups and
+        #: cutting the snapshot) on the caller's thread, in seconds.
+        self.snapshot_step_max_s = 0.0
         self._lock = threading.RLock()
         #: Called with the (offset, event) pairs of every executed command, once they
         #: are durable (in log order; events that never became durable are never passed).
@@ -458,6 +452,8 @@ class RolloutController:
                 self._mark_failed(err)
                 raise err
             self._undelivered.append(applied)
+            if self.store_config.snapshot_interval > 0:
+                self._snapshot_encoder.touched(events)
             self._maybe_snapshot()
         self._deliver_durable()
         return applied
@@ -554,17 +550,33 @@ class RolloutController:
         if self._snapshot_future is not None and not self._snapshot_future.done():
             return  # one at a time; the next is due soon enough
         seq = self.state.last_seq
-        self._last_snapshot = seq
+        started = time.perf_counter()
         try:
-            data = encode_snapshot(self.state)
+            self._snapshot_step(seq)
+        finally:
+            self.snapshot_step_max_s = max(self.snapshot_step_max_s, time.perf_counter() - started)
+
+    def _snapshot_step(self, seq: int) -> None:
+        try:
+            # Each command re-encodes at most a slice of the touched groups, so no
+            # command pauses its caller for long; the snapshot is cut once all are current.
+            if not self._snapshot_encoder.refresh(
+                self.state, self.store_config.snapshot_slice_ms / 1000
+            ):
+                return
+            finish = self._snapshot_encoder.cut(self.state)
         except Exception:
             self.snapshot_failures += 1
+            self._last_snapshot = seq
+            self._snapshot_encoder = SnapshotEncoder()  # start over from a clean slate
             log.exception("encoding the snapshot at offset %s failed; the run goes on", seq)
             return
-        self._snapshot_future = self._snapshots.submit(self._write_snapshot, seq, data)
+        self._last_snapshot = seq
+        self._snapshot_future = self._snapshots.submit(self._write_snapshot, seq, finish)
 
-    def _write_snapshot(self, seq: int, data: bytes) -> None:
+    def _write_snapshot(self, seq: int, finish: Callable[[], bytes]) -> None:
         try:
+            data = finish()  # joining and compressing: off the caller's thread
             # A snapshot may only describe durable history.
             while self.committer.durable_seq < seq:
                 self.committer.flush(timeout=30)

@@ -592,7 +592,24 @@ class RolloutRuntime:
                 waiter.cancel()
                 raise TimeoutError(f"batch of step {train_step} not ready after {timeout}s")
         await self.controller.aflush()  # output commit: durable before the trainer sees it
+        await self._load_payloads(train_step)
         return self._assemble(train_step)
+
+    async def _load_payloads(self, train_step: int) -> None:
+        """Read the batch's payloads that are not in memory (after a restore, all of them)
+        on a worker thread: a thousand database reads must not stop the event loop."""
+        state = self.controller.state
+        missing = [
+            sib.payload_id
+            for gid in state.batches[train_step]
+            for sib in state.groups[gid].siblings
+            if sib.payload_id is not None and sib.payload_id not in self._payload_cache
+        ]
+        if not missing:
+            return
+        store, run_id = self.controller.store, self.controller.run_id
+        found = await asyncio.to_thread(lambda: {p: store.get_payload(run_id, p) for p in missing})
+        self._payload_cache.update(found)
 
     async def _wait_change(self) -> None:
         # The pump clears the event at the top of its loop; poll briefly as a backstop.

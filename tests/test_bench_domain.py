@@ -55,7 +55,7 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return run_domain_benchmark(TINY, db_dir=tmp_path_factory.mktemp("bench-domain"))
 
 
-def test_json_has_the_three_ratios_and_their_targets(result: dict[str, Any]) -> None:
+def test_json_has_the_ratios_and_their_targets(result: dict[str, Any]) -> None:
     assert (
         set(result["ratios"])
         == set(TARGETS)
@@ -63,6 +63,8 @@ def test_json_has_the_three_ratios_and_their_targets(result: dict[str, Any]) -> 
             "checkpoint_100k_vs_1k",
             "snapshot_baseline_vs_checkpoint_100k",
             "restore_10m_vs_100k",
+            "max_loop_pause_ms",
+            "max_snapshot_step_ms",
         }
     )
     for name, value in result["ratios"].items():
@@ -299,3 +301,11 @@ def test_cli_table(tmp_path: Path) -> None:
     )
     assert res.exit_code == 0, res.output
     assert "history_x10" in res.stdout and "live_x10" in res.stdout
+
+
+def test_the_loop_part_took_snapshots_while_it_measured(result: dict[str, Any]) -> None:
+    loop = result["loop"]
+    assert loop["snapshots_written"] > 0
+    assert loop["loop_pause_ms"]["samples"] > 0
+    assert result["ratios"]["max_loop_pause_ms"] == loop["loop_pause_ms"]["max"]
+    assert loop["max_snapshot_step_ms"] > 0  # snapshot work ran on the measured loop

@@ -9,6 +9,7 @@ groups are too stale to keep.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -96,11 +97,16 @@ def _plan_in_order(state: RunState, t: int) -> BatchPlan:
 
 def _plan_pooled(state: RunState) -> BatchPlan:
     rules = state.rules
-    eligible = sorted(
-        (g for g in state.groups.values() if g.phase is Phase.READY), key=_ORDERS[rules.sampler]
+    # The first groups_per_step in the sampler's order: a heap of that size, not a sort
+    # of the whole buffer (100k ready groups). Keys are unique (they end in the group id),
+    # so this is exactly sorted(...)[:groups_per_step].
+    eligible = heapq.nsmallest(
+        rules.groups_per_step,
+        (g for g in state.groups.values() if g.phase is Phase.READY),
+        key=_ORDERS[rules.sampler],
     )
     if len(eligible) >= rules.groups_per_step:
-        return BatchPlan(select=eligible[: rules.groups_per_step])
+        return BatchPlan(select=eligible)
     generating = any(g.phase is Phase.ADMITTED for g in state.groups.values())
     if generating or admission_blocker(state) is None:
         return BatchPlan(waiting_for=f"{len(eligible)} of {rules.groups_per_step} groups ready")

@@ -201,15 +201,17 @@ class RunState:
         return 0 if oldest is None else self.weight_version - oldest
 
     # ------------------------------------------------------------------ snapshots
-    def to_snapshot(self) -> dict[str, Any]:
-        """A JSON-serialisable dict of the whole state.
+    def to_snapshot(self, *, groups: bool = True) -> dict[str, Any]:
+        """A JSON-serialisable dict of the whole state (without ``groups``: all of it but
+        the groups, which the incremental snapshot encoder keeps itself).
 
         The same dict ``dataclasses.asdict`` gives (with groups, loans and the step maps
-        as lists), built in one pass: a snapshot of a 100k-group buffer runs inline in
-        ``execute``, so it must not convert every group twice.
+        as lists), built in one pass, so no group is converted twice.
         """
         data: dict[str, Any] = {}
         for name in _field_names(RunState):
+            if name == "groups" and not groups:
+                continue
             value = getattr(self, name)
             if name == "config":
                 data[name] = value.model_dump() if value else None

@@ -34,6 +34,7 @@ reproduces it, and every restore runs the invariant check.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import math
@@ -88,8 +89,10 @@ TARGETS: dict[str, tuple[str, float]] = {
     "checkpoint_100k_vs_1k": ("<=", 1.5),
     "snapshot_baseline_vs_checkpoint_100k": (">=", 100.0),
     "restore_10m_vs_100k": ("<=", 1.5),
+    "max_loop_pause_ms": ("<=", 50.0),
+    "max_snapshot_step_ms": ("<=", 50.0),
 }
-PARTS = ("checkpoint", "restore", "memory")
+PARTS = ("checkpoint", "restore", "memory", "loop")
 DATASET_FINGERPRINT = "bench-domain-dataset"
 _ProgressFn = Callable[[str], None]
 
@@ -525,12 +528,18 @@ def checkpoint_config(groups_per_step: int, max_groups: int) -> RolloutConfig:
 
 
 def build_buffered_run(
-    url: str, run_id: str, groups: int, rollout: RolloutConfig
+    url: str,
+    run_id: str,
+    groups: int,
+    rollout: RolloutConfig,
+    *,
+    snapshot_interval: int = 0,
+    dataset_size: int | None = None,
 ) -> RolloutController:
     """A controller whose buffer holds ``groups`` ready groups, built by public commands.
 
-    Snapshots are off (``snapshot_interval=0``): they are interval-driven, not part of a
-    checkpoint, and are measured separately as the baseline.
+    Snapshots are off by default (``snapshot_interval=0``): they are interval-driven, not
+    part of a checkpoint, and are measured separately as the baseline.
     """
     store = EventStore.open(url)
     ctl = RolloutController.start(
@@ -538,34 +547,154 @@ def build_buffered_run(
         run_id,
         rollout,
         dataset_fingerprint=DATASET_FINGERPRINT,
-        dataset_size=groups,
+        dataset_size=groups if dataset_size is None else dataset_size,
         # Synthetic completions name payloads without storing them (domain cost only).
-        store_config=StoreConfig(url=url, snapshot_interval=0, require_stored_payloads=False),
+        store_config=StoreConfig(
+            url=url, snapshot_interval=snapshot_interval, require_stored_payloads=False
+        ),
     )
-    while admission_blocker(ctl.state) is None:
+    while admission_blocker(ctl.state) is None and len(ctl.state.groups) < groups:
         ctl.execute(AdmitStep())
     for g in list(ctl.state.groups.values()):
         ctl.execute(DispatchSiblings(g.group_id, (0,), ctl.state.published_version))
     for k, g in enumerate(list(ctl.state.groups.values())):
-        sib = g.siblings[0]
-        ctl.execute(
-            CompleteSibling(
-                group_id=g.group_id,
-                sibling=0,
-                attempt=sib.attempt,
-                weight_version=sib.weight_version or 0,
-                prompt_tokens=64 + k % 448,
-                completion_tokens=16 + (k * 7) % 2032,
-                reward=(k % 17) / 16,
-                payload_id=f"tok-{g.group_id:08d}-00-{sib.attempt}",
-                finish_reason="stop",
-            )
-        )
+        _complete_one(ctl, g.group_id, k)
     ctl.flush()
     ready = sum(1 for g in ctl.state.groups.values() if g.phase is Phase.READY)
     _check(ready == groups, f"built {ready} ready groups, wanted {groups}")
     check_invariants(ctl.state)
     return ctl
+
+
+def _complete_one(ctl: RolloutController, group_id: int, k: int) -> None:
+    """Complete the one sibling of a ``group_size=1`` group with synthetic numbers."""
+    sib = ctl.state.groups[group_id].siblings[0]
+    ctl.execute(
+        CompleteSibling(
+            group_id=group_id,
+            sibling=0,
+            attempt=sib.attempt,
+            weight_version=sib.weight_version or 0,
+            prompt_tokens=64 + k % 448,
+            completion_tokens=16 + (k * 7) % 2032,
+            reward=(k % 17) / 16,
+            payload_id=f"tok-{group_id:08d}-00-{sib.attempt}",
+            finish_reason="stop",
+        )
+    )
+
+
+def bench_loop_pause(
+    root: Path, sizes: DomainBenchSizes, progress: _ProgressFn | None = None
+) -> dict[str, Any]:
+    """The longest pause of an asyncio event loop that drives a run with a full buffer.
+
+    A controller holds the large checkpoint size of ready groups (100k at full size) and
+    takes snapshots every ``snapshot_interval // 5`` events. A coroutine runs training
+    cycles through it as the pump does (select, train, publish, admit, dispatch and
+    complete the next step's groups, yielding to the loop between commands) while a
+    monitor task sleeps 1 ms at a time and records how late it wakes. Baseline, same
+    run: :func:`encode_snapshot` of the whole state, which is what a snapshot used to
+    cost inline.
+    """
+    say = progress or (lambda _msg: None)
+    groups = sizes.checkpoint_groups[1]
+    per_step = sizes.checkpoint_groups_per_step
+    cycles = 12
+    rollout = checkpoint_config(per_step, groups)
+    interval = max(1, sizes.snapshot_interval // 5)
+    say(f"loop: building a buffer of {size_label(groups)} ready groups (snapshots on)")
+    ctl = build_buffered_run(
+        _sqlite_url(root / "loop.db"),
+        "loop",
+        groups,
+        rollout,
+        snapshot_interval=interval,
+        dataset_size=groups + per_step * (cycles + 2),
+    )
+    try:
+        say("loop: timing the full-state encoding baseline")
+        encode_s = []
+        for _ in range(sizes.snapshot_repeats):
+            started = time.perf_counter()
+            encode_snapshot(ctl.state)
+            encode_s.append(time.perf_counter() - started)
+        written_before = ctl.snapshots_written
+        say(f"loop: {cycles} training cycles of {per_step} groups on the event loop")
+        ctl.snapshot_step_max_s = 0.0
+        pauses = asyncio.run(_drive_cycles(ctl, cycles))
+        snapshot_step_ms = ctl.snapshot_step_max_s * 1000
+        ctl.flush()
+        ctl.close()
+        check_invariants(ctl.state)
+        events = ctl.state.last_seq
+        snapshots = ctl.snapshots_written - written_before
+    finally:
+        ctl.close()
+        ctl.store.close()
+    _check(snapshots > 0, "no snapshot was taken while the loop was measured")
+    full_ms = _median(encode_s) * 1000
+    worst = max(pauses) * 1000
+    return {
+        "ready_groups": groups,
+        "cycles": cycles,
+        "snapshot_interval": interval,
+        "snapshots_written": snapshots,
+        "log_events": events,
+        "loop_pause_ms": {
+            "max": worst,
+            "p99": sorted(pauses)[int(0.99 * (len(pauses) - 1))] * 1000,
+            "samples": len(pauses),
+        },
+        "full_snapshot_encode_ms": full_ms,
+        # The longest snapshot work any one command did on the loop (the rest of the
+        # longest pause is the command itself and the garbage collector).
+        "max_snapshot_step_ms": snapshot_step_ms,
+        "full_snapshot_encode_vs_max_loop_pause": _ratio(full_ms, worst),
+        "ratios": {"max_loop_pause_ms": worst, "max_snapshot_step_ms": snapshot_step_ms},
+    }
+
+
+async def _drive_cycles(ctl: RolloutController, cycles: int) -> list[float]:
+    """Run ``cycles`` training cycles, yielding between commands; return the monitor's
+    lateness samples (seconds)."""
+    pauses: list[float] = []
+    running = True
+
+    async def monitor() -> None:
+        while running:
+            started = time.perf_counter()
+            await asyncio.sleep(0.001)
+            pauses.append(max(0.0, time.perf_counter() - started - 0.001))
+
+    watcher = asyncio.ensure_future(monitor())
+    await asyncio.sleep(0.01)
+    k = 0
+    try:
+        for _ in range(cycles):
+            step = ctl.state.train_step
+            ctl.execute(SelectBatch(step))
+            await asyncio.sleep(0)
+            ctl.execute(RecordTrainStep(step, ctl.state.weight_version + 1))
+            await asyncio.sleep(0)
+            ctl.execute(PublishWeights(ctl.state.weight_version))
+            await ctl.aflush()
+            while admission_blocker(ctl.state) is None:
+                ctl.execute(AdmitStep())
+                await asyncio.sleep(0)
+            fresh = [g.group_id for g in ctl.state.groups.values() if g.phase is Phase.ADMITTED]
+            for gid in fresh:
+                ctl.execute(DispatchSiblings(gid, (0,), ctl.state.published_version))
+                await asyncio.sleep(0)
+            for gid in fresh:
+                _complete_one(ctl, gid, k)
+                k += 1
+                await asyncio.sleep(0)
+        await ctl.aflush()
+    finally:
+        running = False
+        await watcher
+    return pauses
 
 
 def bench_checkpoint(
@@ -940,6 +1069,9 @@ def run_domain_benchmark(
             ratios.update(result["restore"].pop("ratios"))
         if "memory" in parts:
             result["memory"] = bench_memory(sizes, progress)
+        if "loop" in parts:
+            result["loop"] = bench_loop_pause(root, sizes, progress)
+            ratios.update(result["loop"].pop("ratios"))
     result["ratios"] = ratios
     result["targets"] = {
         name: {

@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-_PARTS = ("checkpoint", "restore", "memory")
+_PARTS = ("checkpoint", "restore", "memory", "loop")
 
 
 def _fmt_s(seconds: float | None) -> str:
@@ -54,15 +54,25 @@ def print_report(result: dict[str, Any]) -> None:
     for col in ("ratio", "value", "target", "met"):
         ratios.add_column(col, justify="left" if col == "ratio" else "right")
     for name, value in result["ratios"].items():
-        target = result["targets"][name]
-        met = target["met"]
+        target = result["targets"].get(name)
+        met = None if target is None else target["met"]
         ratios.add_row(
             name,
             _fmt_ratio(value),
-            f"{target['comparison']} {target['target']:g}",
+            "-" if target is None else f"{target['comparison']} {target['target']:g}",
             "-" if met is None else ("[green]yes[/green]" if met else "[red]no[/red]"),
         )
     console.print(ratios)
+
+    loop = result.get("loop")
+    if loop:
+        pause = loop["loop_pause_ms"]
+        console.print(
+            f"event loop with {size_label(loop['ready_groups'])} ready groups: longest pause "
+            f"{pause['max']:.1f} ms (p99 {pause['p99']:.2f} ms, {pause['samples']} samples) "
+            f"over {loop['cycles']} training cycles and {loop['snapshots_written']} "
+            f"snapshots; a full-state encoding takes {loop['full_snapshot_encode_ms']:.0f} ms"
+        )
 
     ckpt = result.get("checkpoint")
     if ckpt:
@@ -235,7 +245,7 @@ def print_report(result: dict[str, Any]) -> None:
     "only",
     type=click.Choice(_PARTS),
     multiple=True,
-    help="Run only these parts (repeatable); default: all three.",
+    help="Run only these parts (repeatable); default: all four.",
 )
 @click.option(
     "--full-replay-check",

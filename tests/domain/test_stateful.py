@@ -52,6 +52,7 @@ from rolloutlog.controller.domain.errors import (
     StaleAttemptError,
 )
 from rolloutlog.controller.rollout_controller import RolloutController, replay
+from rolloutlog.controller.snapshot_encoder import encode_snapshot
 from rolloutlog.eventstore import EventStore, PayloadPut
 
 RUN = "stateful"
@@ -454,6 +455,16 @@ class RolloutMachine(RuleBasedStateMachine):
         assert full.state.to_snapshot() == live
         fast = replay(self.store, RUN, use_snapshots=True)
         assert fast.state.to_snapshot() == live
+
+    @invariant()
+    def incremental_snapshot_equals_a_full_encoding(self) -> None:
+        """The snapshot encoder re-encodes only touched groups: its bytes must be those
+        of encoding the whole state (a group it missed would restore stale)."""
+        if self.ctl is None:
+            return
+        encoder = self.ctl._snapshot_encoder
+        assert encoder.refresh(self.ctl.state, None)
+        assert encoder.cut(self.ctl.state)() == encode_snapshot(self.ctl.state)
 
     @invariant()
     def no_prompt_lost_or_trained_twice(self) -> None:
