@@ -22,3 +22,17 @@ def test_durability_bench_json() -> None:
     ratio = data["ratios"]["durability_overhead"]
     assert ratio == data["sqlite_seconds"] / data["memory_seconds"]
     assert data["sqlite_synchronous"] == "FULL"
+
+
+def test_busy_trainer_variant_measures_the_same_events_both_ways() -> None:
+    from rolloutlog.bench.durability_bench import run_busy_trainer_bench
+
+    data = run_busy_trainer_bench(events=640, repeats=1)
+    assert data["events"] == 640
+    assert len(data["idle_runs"]) == len(data["busy_runs"]) == 1
+    assert data["commit_s_per_event_idle"] > 0 and data["commit_s_per_event_busy"] > 0
+    assert all(n >= 1 for kind in ("idle", "busy") for n in data["commits"][kind])
+    assert data["ratios"]["commit_busy_vs_idle"] == (
+        data["commit_s_per_event_busy"] / data["commit_s_per_event_idle"]
+    )
+    assert data["training_step_s"] > 0

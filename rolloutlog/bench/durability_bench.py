@@ -114,3 +114,107 @@ def run_durability_bench(
         "memory_runs": memory_times,
         "ratios": {"durability_overhead": sq / mem},
     }
+
+
+# ---------------------------------------------------------------- commit thread under load
+def _training_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    """One optimizer step of a small MLP: what a trainer in the same process does."""
+    opt.zero_grad()
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    opt.step()
+
+
+def _commit_seconds_per_event(
+    path: Path, rows: Sequence[Any], per_submit: int, pace: Any
+) -> tuple[float, int]:
+    """Submit ``rows`` ``per_submit`` at a time to a fresh log, calling ``pace()`` between
+    submits; return the commit thread's seconds per event and the number of commits."""
+    from rolloutlog.controller.rollout_index import attach
+    from rolloutlog.eventstore import GroupCommitter
+
+    store = EventStore.open(f"sqlite:///{path}")
+    try:
+        store.create_run("bench")
+        attach(store)
+        committer = GroupCommitter(store, "bench", epoch=1, next_seq=1)
+        try:
+            for start in range(0, len(rows), per_submit):
+                committer.submit(rows[start : start + per_submit])
+                pace()
+            committer.flush()
+            seconds = list(committer.commit_seconds)
+        finally:
+            committer.close()
+    finally:
+        store.close()
+    return sum(seconds) / len(rows), len(seconds)
+
+
+def run_busy_trainer_bench(
+    *, events: int = 50_000, per_submit: int = 16, repeats: int = 3
+) -> dict[str, Any]:
+    """The commit thread's time per event while the main thread trains, against the same
+    submissions paced by sleeping (the GIL free) for as long as a training step takes.
+
+    The events are the domain's ``SiblingCompleted`` rows with their rollout index keys,
+    submitted a group (16) at a time as the pump does; the trainer is a 2-layer MLP
+    (256 wide, batch 64) taking one optimizer step between submits. Ratio
+    ``commit_busy_vs_idle`` = seconds per event busy / idle (median of alternating runs).
+    """
+    from datetime import UTC, datetime
+
+    from rolloutlog.controller.domain.events import SiblingCompleted
+    from rolloutlog.controller.rollout_index import encode
+
+    now = datetime.now(UTC)
+    rows = [
+        encode(
+            SiblingCompleted(
+                group_id=i // 16, sibling=i % 16, attempt=1, weight_version=0,
+                prompt_tokens=64, completion_tokens=128 + i % 512, reward=(i % 7) / 7,
+                payload_id=f"tok-{i:09d}", finish_reason="stop",
+            ),
+            recorded_at=now, train_step=0, weight_version=0,
+        )
+        for i in range(events)
+    ]  # fmt: skip
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(64, 256)
+    for _ in range(20):
+        _training_step(model, opt, x)
+    started = time.perf_counter()
+    for _ in range(50):
+        _training_step(model, opt, x)
+    step_s = (time.perf_counter() - started) / 50
+
+    idle: list[float] = []
+    busy: list[float] = []
+    commits: dict[str, list[int]] = {"idle": [], "busy": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(repeats):
+            for kind in ("idle", "busy") if r % 2 == 0 else ("busy", "idle"):
+                pace = (lambda: time.sleep(step_s)) if kind == "idle" else (
+                    lambda: _training_step(model, opt, x)
+                )  # fmt: skip
+                per_event, n = _commit_seconds_per_event(
+                    Path(tmp) / f"{kind}-{r}.db", rows, per_submit, pace
+                )
+                (idle if kind == "idle" else busy).append(per_event)
+                commits[kind].append(n)
+    idle_s, busy_s = statistics.median(idle), statistics.median(busy)
+    return {
+        "events": events,
+        "per_submit": per_submit,
+        "training_step_s": step_s,
+        "commit_s_per_event_idle": idle_s,
+        "commit_s_per_event_busy": busy_s,
+        "idle_runs": idle,
+        "busy_runs": busy,
+        "commits": commits,
+        "ratios": {"commit_busy_vs_idle": busy_s / idle_s},
+    }
