@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rolloutlog.eventstore import EventStore, StoreError
+from rolloutlog.eventstore.watch import AppendWatcher
 
 from ..domain.events import CODEC, CheckpointMarked, RolloutEvent
 from ..rollout_index import read_indexed
@@ -534,6 +535,7 @@ class LogTailer:
         self.last_error: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._watcher: AppendWatcher | None = None
 
     def poll(self) -> int:
         """Fold what is new in the log; return the number of events folded."""
@@ -547,22 +549,32 @@ class LogTailer:
             return self.follower.projection.families(work=self.follower.work)
 
     def start(self) -> None:
-        """Poll every ``interval`` seconds on a daemon thread."""
+        """Follow the log on a daemon thread: on PostgreSQL wake on every append (LISTEN),
+        at the latest every ``interval`` seconds; on SQLite poll every ``interval``."""
+        self._watcher = AppendWatcher(self.store, stop=self._stop)
         self._thread = threading.Thread(target=self._loop, name="rolloutlog-tail", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.poll()
-            except StoreError as exc:  # the database may come back: keep serving
-                self.errors += 1
-                self.last_error = str(exc)
-                log.warning("metrics: reading the log failed: %s", exc)
-            self._stop.wait(self.interval)
+        watcher = self._watcher
+        assert watcher is not None
+        try:
+            while not self._stop.is_set():
+                try:
+                    self.poll()
+                except StoreError as exc:  # the database may come back: keep serving
+                    self.errors += 1
+                    self.last_error = str(exc)
+                    log.warning("metrics: reading the log failed: %s", exc)
+                try:
+                    watcher.wait(self.interval)
+                except StoreError as exc:  # no more notifications: poll from now on
+                    log.warning("metrics: %s; polling every %ss instead", exc, self.interval)
+        finally:
+            watcher.close()  # its connection is this thread's alone
 
     def close(self) -> None:
-        """Stop polling."""
+        """Stop following the log (within one ``interval``)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
@@ -597,6 +609,7 @@ class RunsTailer:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._watcher: AppendWatcher | None = None
 
     def discover(self) -> list[str]:
         """The runs served now (adding new runs, dropping those beyond ``max_runs``)."""
@@ -625,22 +638,32 @@ class RunsTailer:
             return list(self.tailers.values())
 
     def start(self) -> None:
-        """Poll every ``interval`` seconds on a daemon thread."""
+        """Follow the log on a daemon thread: on PostgreSQL wake on every append (LISTEN),
+        at the latest every ``interval`` seconds; on SQLite poll every ``interval``."""
+        self._watcher = AppendWatcher(self.store, stop=self._stop)
         self._thread = threading.Thread(target=self._loop, name="rolloutlog-tail", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.poll()
-            except StoreError as exc:  # the database may come back: keep serving
-                self.errors += 1
-                self.last_error = str(exc)
-                log.warning("metrics: reading the log failed: %s", exc)
-            self._stop.wait(self.interval)
+        watcher = self._watcher
+        assert watcher is not None
+        try:
+            while not self._stop.is_set():
+                try:
+                    self.poll()
+                except StoreError as exc:  # the database may come back: keep serving
+                    self.errors += 1
+                    self.last_error = str(exc)
+                    log.warning("metrics: reading the log failed: %s", exc)
+                try:
+                    watcher.wait(self.interval)
+                except StoreError as exc:  # no more notifications: poll from now on
+                    log.warning("metrics: %s; polling every %ss instead", exc, self.interval)
+        finally:
+            watcher.close()  # its connection is this thread's alone
 
     def close(self) -> None:
-        """Stop polling."""
+        """Stop following the log (within one ``interval``)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
