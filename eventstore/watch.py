@@ -9,6 +9,7 @@ timeout (the caller's poll interval), exactly the polling it replaces.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -68,10 +69,8 @@ class AppendWatcher:
         conn, self._conn = self._conn, None
         self.listening = False
         if conn is not None:
-            try:
+            with contextlib.suppress(Exception):  # best effort: the connection may be gone
                 conn.close()
-            except Exception:  # closing is best effort: the connection may be gone
-                pass
 
 
 def _note(seen: dict[str, int], payload: str) -> None:
