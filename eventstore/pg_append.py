@@ -68,20 +68,20 @@ class PgAppendStatement:
             "ev AS (INSERT INTO events "
             "(run_id, seq, epoch, type, schema_version, recorded_at, payload) "
             "SELECT %(run_id)s, %(prev)s + u.n, %(epoch)s, u.t, u.v, u.ts, u.p "
-            "FROM unnest(%(types)s::text[], %(versions)s::integer[], "
-            "%(stamps)s::timestamptz[], %(payloads)s::text[]) "
+            "FROM unnest(%(types)b::text[], %(versions)b::integer[], "
+            "%(stamps)b::timestamptz[], %(payloads)b::text[]) "
             f"WITH ORDINALITY AS u(t, v, ts, p, n) {guard})",
         ]
         if payloads:
             parts.append(
                 "pl AS (INSERT INTO payloads (run_id, payload_id, kind, data) "
-                "SELECT %(run_id)s, u.i, u.k, u.d FROM unnest(%(put_ids)s::text[], "
-                f"%(put_kinds)s::text[], %(put_data)s::bytea[]) AS u(i, k, d) {guard} "
+                "SELECT %(run_id)s, u.i, u.k, u.d FROM unnest(%(put_ids)b::text[], "
+                f"%(put_kinds)b::text[], %(put_data)b::bytea[]) AS u(i, k, d) {guard} "
                 "ON CONFLICT DO NOTHING)"
             )
         for n, table in enumerate(derived):
             arrays = ", ".join(
-                f"%(d{n}_{i})s::{sql_type}[]" for i, sql_type in enumerate(table.types)
+                f"%(d{n}_{i})b::{sql_type}[]" for i, sql_type in enumerate(table.types)
             )
             parts.append(
                 f"d{n} AS (INSERT INTO {table.table} ({', '.join(table.columns)}) "

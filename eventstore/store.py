@@ -995,6 +995,8 @@ class _ErrorTranslator:
         if isinstance(exc, DBAPIError):
             msg = str(exc.orig) if exc.orig is not None else str(exc)
             low = msg.lower()
+            if "0x00" in low and "invalid byte sequence" in low:
+                msg = f"PostgreSQL text cannot hold a NUL (0x00) character: {msg.strip()}"
             if "readonly" in low or "read-only" in low or "read only" in low:
                 raise ReadOnlyStoreError(
                     f"{where} is read-only while {self.doing}: {msg.strip()}"

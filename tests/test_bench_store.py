@@ -195,3 +195,23 @@ def test_help() -> None:
     assert res.exit_code == 0
     for option in ("--events", "--batch", "--json", "--db-dir", "--scale"):
         assert option in res.stdout
+
+
+@pytest.mark.postgres
+def test_postgresql_mode_compares_with_raw_copy_and_measures_tail_latency(pg_url: str) -> None:
+    from rolloutlog.bench.store_bench import run_pg_store_benchmark
+    from rolloutlog.eventstore import EventStore
+
+    EventStore.open(pg_url).close()  # the schema
+    result = run_pg_store_benchmark(pg_url, events=2_000, batch=500, repeat=1)
+    systems = result["systems"]
+    assert set(systems) == {"raw_copy", "rolloutlog", "rolloutlog_indexed"}
+    assert all(m["append_events"] == 2_000 for m in systems.values())
+    assert result["ratios"]["append_vs_raw_copy"] == pytest.approx(
+        systems["rolloutlog"]["append_eps"] / systems["raw_copy"]["append_eps"], abs=1e-3
+    )  # the ratio is rounded to 3 places
+    # Every append woke the listener (4 appends per rolloutlog system run).
+    assert result["tail_latency_ms"]["samples"] == 4
+    assert 0 <= result["tail_latency_ms"]["p50"] <= result["tail_latency_ms"]["max"]
+    with EventStore.open(pg_url) as store:  # the benchmark's runs were removed
+        assert store.list_runs() == []

@@ -38,6 +38,7 @@ import platform
 import shutil
 import sqlite3
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -975,3 +976,193 @@ def print_scale_report(result: dict[str, Any]) -> None:
             f"CPU time: {_x(result['cpu_ratios'][name])}; round by round: {paired}"
         )
     console.print(f"load average before/after: {result['load_average']}")
+
+
+# ---------------------------------------------------------------------------- PostgreSQL
+#: Targets of the PostgreSQL mode.
+PG_TARGETS: dict[str, tuple[str, float]] = {
+    "append_vs_raw_copy": (">=", 0.8),
+    "tail_latency_p50_ms": ("<=", 20.0),
+}
+
+
+def _pg_cleanup(store: EventStore, run_id: str) -> None:
+    with store.engine.begin() as conn:
+        for table in ("rollout_index", "events", "epochs", "payloads", "snapshots", "runs"):
+            conn.exec_driver_sql(f"DELETE FROM {table} WHERE run_id = %s", (run_id,))
+
+
+def bench_pg_raw_copy(store: EventStore, specs: Sequence[Spec], *, batch: int) -> Measured:
+    """The floor: psycopg ``COPY events FROM STDIN`` of ready rows, one transaction per batch."""
+    run_id = f"bench-copy-{uuid.uuid4().hex[:8]}"
+    store.create_run(run_id)
+    rows = [
+        (run_id, i + 1, 1, "SiblingCompleted" if s.completed else "SiblingDispatched", 1,
+         s.recorded_at, json.dumps(payload_dict(s), separators=(",", ":")))
+        for i, s in enumerate(specs)
+    ]  # fmt: skip
+    try:
+        raw = store.engine.raw_connection()
+        try:
+            conn: Any = raw.driver_connection
+            with _Stopwatch() as clock:
+                for start in range(0, len(rows), batch):
+                    with (
+                        conn.cursor() as cur,
+                        cur.copy(
+                            "COPY events (run_id, seq, epoch, type, schema_version, recorded_at, "
+                            "payload) FROM STDIN"
+                        ) as copy,
+                    ):
+                        for row in rows[start : start + batch]:
+                            copy.write_row(row)
+                    conn.commit()
+        finally:
+            raw.close()
+        with store.engine.connect() as c:
+            count = c.exec_driver_sql(
+                "SELECT count(*) FROM events WHERE run_id = %s", (run_id,)
+            ).scalar()
+        _check("raw COPY", f"stored {count}, wrote {len(rows)}", count == len(rows))
+    finally:
+        _pg_cleanup(store, run_id)
+    return Measured.of(len(rows), clock, 0, None, {})
+
+
+def bench_pg_rolloutlog(
+    store: EventStore, specs: Sequence[Spec], *, batch: int, with_index: bool
+) -> tuple[Measured, list[float]]:
+    """Typed events through ``EventStore.append`` (one statement per batch), with a
+    reader thread LISTENing: also returns each append's commit-to-wake latency."""
+    from rolloutlog.eventstore.watch import AppendWatcher
+
+    run_id = f"bench-rl-{uuid.uuid4().hex[:8]}"
+    store.create_run(run_id)
+    if with_index:
+        attach(store)
+    models = [rolloutlog_event(s) for s in specs]
+    returned: dict[int, float] = {}
+    woke: dict[int, float] = {}
+    ready = threading.Event()
+    done = threading.Event()
+
+    def listen() -> None:
+        watcher = AppendWatcher(store, stop=done)
+        ready.set()
+        try:
+            while not done.is_set():
+                for rid, seq in watcher.wait(0.5).items():
+                    if rid == run_id:
+                        woke[seq] = time.perf_counter()
+        finally:
+            watcher.close()
+
+    reader = threading.Thread(target=listen, name="bench-listener", daemon=True)
+    reader.start()
+    ready.wait(30)
+    try:
+        encode = CODEC.encode
+        seq = 1
+        with _Stopwatch() as clock:
+            for start in range(0, len(models), batch):
+                chunk = zip(
+                    models[start : start + batch], specs[start : start + batch], strict=True
+                )
+                rows = [
+                    encode(
+                        m, recorded_at=s.recorded_at, derived=_index_keys(s) if with_index else None
+                    )
+                    for m, s in chunk
+                ]
+                seq = store.append(run_id, rows, expected_seq=seq, epoch=1) + 1
+                returned[seq - 1] = time.perf_counter()
+        deadline = time.monotonic() + 10
+        while len(woke) < len(returned) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        _check(
+            "rolloutlog", f"last sequence {seq - 1}, wrote {len(models)}", seq - 1 == len(models)
+        )
+    finally:
+        done.set()
+        reader.join(10)
+        _pg_cleanup(store, run_id)
+    latencies = [max(0.0, woke[s] - t) for s, t in returned.items() if s in woke]
+    return Measured.of(len(models), clock, 0, None, {"notified": len(latencies)}), latencies
+
+
+def run_pg_store_benchmark(
+    url: str, *, events: int = 100_000, batch: int = 1_000, repeat: int = 3,
+    progress: _ProgressFn | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """PostgreSQL: rolloutlog's append against raw psycopg COPY into the same table, and
+    the latency from an append's commit to a LISTENing reader's wake (each run on fresh
+    run ids in ``url``'s database, removed afterwards)."""
+    say = progress or (lambda _msg: None)
+    specs = [spec(i) for i in range(events)]
+    samples: dict[str, list[Measured]] = {
+        "raw_copy": [],
+        "rolloutlog": [],
+        "rolloutlog_indexed": [],
+    }
+    latencies: list[float] = []
+    with EventStore.open(url) as plain, EventStore.open(url) as indexed:
+        for r in range(repeat):
+            say(f"round {r + 1}/{repeat}")
+            samples["raw_copy"].append(bench_pg_raw_copy(plain, specs, batch=batch))
+            m, lat = bench_pg_rolloutlog(plain, specs, batch=batch, with_index=False)
+            samples["rolloutlog"].append(m)
+            latencies += lat
+            m, _ = bench_pg_rolloutlog(indexed, specs, batch=batch, with_index=True)
+            samples["rolloutlog_indexed"].append(m)
+    systems = {name: _best(ms).as_dict() for name, ms in samples.items()}
+    raw = systems["raw_copy"]["append_eps"]
+    lat_ms = sorted(x * 1000 for x in latencies)
+
+    def p(q: float) -> float | None:
+        return lat_ms[min(len(lat_ms) - 1, int(q * len(lat_ms)))] if lat_ms else None
+
+    ratios = {
+        "append_vs_raw_copy": _ratio(systems["rolloutlog"]["append_eps"], raw),
+        "append_with_rollout_index_vs_raw_copy": _ratio(
+            systems["rolloutlog_indexed"]["append_eps"], raw
+        ),
+        "tail_latency_p50_ms": p(0.5),
+    }
+    met = {
+        k: None if ratios[k] is None else (ratios[k] >= b if op == ">=" else ratios[k] <= b)  # type: ignore[operator]
+        for k, (op, b) in PG_TARGETS.items()
+    }
+    return {
+        "benchmark": "store-postgresql",
+        "events": events,
+        "batch": batch,
+        "repeat": repeat,
+        "machine": machine_info(),
+        "load_average": _load_average(),
+        "systems": systems,
+        "tail_latency_ms": {"p50": p(0.5), "p90": p(0.9), "max": lat_ms[-1] if lat_ms else None,
+                            "samples": len(lat_ms)},
+        "ratios": ratios,
+        "targets": {k: {"comparison": op, "target": b} for k, (op, b) in PG_TARGETS.items()},
+        "met": met,
+    }  # fmt: skip
+
+
+def print_pg_report(result: dict[str, Any]) -> None:
+    """The PostgreSQL mode's numbers as text."""
+    print(
+        f"rolloutlog bench store --db: {result['events']:,} events, batch {result['batch']}, "
+        f"best of {result['repeat']}"
+    )
+    for name, m in result["systems"].items():
+        print(f"  {name:20s} {m['append_eps']:>12,.0f} appends/s")
+    for name, value in result["ratios"].items():
+        target = result["targets"].get(name)
+        goal = "" if target is None else f"  (target {target['comparison']} {target['target']:g}: "
+        goal += "" if target is None else ("met)" if result["met"][name] else "missed)")
+        print(f"  {name:40s} {value:.3f}{goal}" if value is not None else f"  {name}: -")
+    lat = result["tail_latency_ms"]
+    print(
+        f"  append commit -> LISTEN wake: p50 {lat['p50']:.2f} ms, p90 {lat['p90']:.2f} ms, "
+        f"max {lat['max']:.2f} ms over {lat['samples']} appends"
+    )

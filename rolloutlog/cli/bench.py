@@ -56,8 +56,16 @@ def _sizes(text: str) -> list[int]:
     show_default=True,
     help="The window is appended in this many slices alternating between the logs.",
 )
+@click.option(
+    "--db",
+    "db_url",
+    default=None,
+    help="Instead: PostgreSQL mode on this database (postgresql+psycopg://...): rolloutlog's "
+    "append against raw psycopg COPY into the same table, and append-to-LISTEN latency.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def store(
+    db_url: str | None,
     events: int,
     batch: int,
     page_size: int,
@@ -84,6 +92,17 @@ def store(
             click.echo(msg, err=True)
 
     try:
+        if db_url is not None:
+            if not db_url.startswith("postgresql"):
+                raise ValueError(f"--db takes a PostgreSQL URL, got {db_url!r}")
+            result = store_bench.run_pg_store_benchmark(
+                db_url, events=events, batch=batch, repeat=repeat, progress=progress
+            )
+            if as_json:
+                click.echo(json.dumps(result))
+            else:
+                store_bench.print_pg_report(result)
+            return
         if scale:
             result = store_bench.run_scale_benchmark(
                 sizes=_sizes(scale_sizes), window=scale_window, batch=batch, repeat=repeat,
