@@ -514,7 +514,55 @@ class LiveMetrics:
             return {**values, "live": self.timings.values()}
 
 
-class LogTailer:
+class _LogFollower:
+    """Polls ``self.poll()`` on a daemon thread: on PostgreSQL it wakes on every append
+    (LISTEN, see :class:`AppendWatcher`), at the latest every ``interval`` seconds; on
+    SQLite it polls every ``interval``. Read errors are counted and logged, never fatal."""
+
+    store: EventStore
+    interval: float
+    errors: int
+    last_error: str | None
+    _stop: threading.Event
+    _thread: threading.Thread | None
+    _watcher: AppendWatcher | None
+
+    def poll(self) -> int:
+        """Fold what is new in the log (the subclass's job)."""
+        raise NotImplementedError
+
+    def start(self) -> None:
+        """Follow the log on a daemon thread."""
+        self._watcher = AppendWatcher(self.store, stop=self._stop)
+        self._thread = threading.Thread(target=self._loop, name="rolloutlog-tail", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        watcher = self._watcher
+        assert watcher is not None
+        try:
+            while not self._stop.is_set():
+                try:
+                    self.poll()
+                except StoreError as exc:  # the database may come back: keep serving
+                    self.errors += 1
+                    self.last_error = str(exc)
+                    log.warning("metrics: reading the log failed: %s", exc)
+                try:
+                    watcher.wait(self.interval)
+                except StoreError as exc:  # no more notifications: poll from now on
+                    log.warning("metrics: %s; polling every %ss instead", exc, self.interval)
+        finally:
+            watcher.close()  # its connection is this thread's alone
+
+    def close(self) -> None:
+        """Stop following the log (within one ``interval``)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+class LogTailer(_LogFollower):
     """Follows a run by polling its log: the source behind ``rolloutlog serve-metrics``.
 
     Each poll folds the history's new events; when a restore changed the history, the
@@ -548,39 +596,8 @@ class LogTailer:
         with self.follower.lock:
             return self.follower.projection.families(work=self.follower.work)
 
-    def start(self) -> None:
-        """Follow the log on a daemon thread: on PostgreSQL wake on every append (LISTEN),
-        at the latest every ``interval`` seconds; on SQLite poll every ``interval``."""
-        self._watcher = AppendWatcher(self.store, stop=self._stop)
-        self._thread = threading.Thread(target=self._loop, name="rolloutlog-tail", daemon=True)
-        self._thread.start()
 
-    def _loop(self) -> None:
-        watcher = self._watcher
-        assert watcher is not None
-        try:
-            while not self._stop.is_set():
-                try:
-                    self.poll()
-                except StoreError as exc:  # the database may come back: keep serving
-                    self.errors += 1
-                    self.last_error = str(exc)
-                    log.warning("metrics: reading the log failed: %s", exc)
-                try:
-                    watcher.wait(self.interval)
-                except StoreError as exc:  # no more notifications: poll from now on
-                    log.warning("metrics: %s; polling every %ss instead", exc, self.interval)
-        finally:
-            watcher.close()  # its connection is this thread's alone
-
-    def close(self) -> None:
-        """Stop following the log (within one ``interval``)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-
-
-class RunsTailer:
+class RunsTailer(_LogFollower):
     """Follows several runs of one log, each with its own :class:`LogTailer`: the given
     ``run_ids``, or (without them) every run, the newest ``max_runs``, runs created
     later included (``rolloutlog serve-metrics --all-runs``)."""
@@ -636,37 +653,6 @@ class RunsTailer:
         """One tailer per run served (what the exporter renders)."""
         with self._lock:
             return list(self.tailers.values())
-
-    def start(self) -> None:
-        """Follow the log on a daemon thread: on PostgreSQL wake on every append (LISTEN),
-        at the latest every ``interval`` seconds; on SQLite poll every ``interval``."""
-        self._watcher = AppendWatcher(self.store, stop=self._stop)
-        self._thread = threading.Thread(target=self._loop, name="rolloutlog-tail", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        watcher = self._watcher
-        assert watcher is not None
-        try:
-            while not self._stop.is_set():
-                try:
-                    self.poll()
-                except StoreError as exc:  # the database may come back: keep serving
-                    self.errors += 1
-                    self.last_error = str(exc)
-                    log.warning("metrics: reading the log failed: %s", exc)
-                try:
-                    watcher.wait(self.interval)
-                except StoreError as exc:  # no more notifications: poll from now on
-                    log.warning("metrics: %s; polling every %ss instead", exc, self.interval)
-        finally:
-            watcher.close()  # its connection is this thread's alone
-
-    def close(self) -> None:
-        """Stop following the log (within one ``interval``)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
 
 
 @dataclass
