@@ -52,6 +52,7 @@ from .domain.admission import admission_blocker
 from .domain.errors import (
     BatchNotReadyError,
     IllegalTransitionError,
+    RunFailedError,
     StaleAttemptError,
 )
 from .domain.events import RolloutEvent, SiblingAborted
@@ -574,6 +575,11 @@ class RolloutRuntime:
                 self.controller.execute(SelectBatch(train_step))
                 self._changed.set()  # evictions may free slots for the pump
                 continue
+            except RunFailedError as exc:
+                # The run failed (drop policy "fail") before the pump noticed: the same
+                # stop, with the same error, whoever sees it first.
+                self._fail(exc)
+                self._raise_if_failed()
             except BatchNotReadyError as exc:
                 if not self._flights and self._nothing_can_arrive():
                     if state.dataset_cursor >= state.walk_size:

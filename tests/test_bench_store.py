@@ -169,9 +169,9 @@ def test_cli_json_and_table(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     assert set(out["ratios"]) >= REQUIRED_RATIOS
-    assert {
-        m["read_events"] for name, m in out["systems"].items() if name not in SQL_SYSTEMS
-    } == {600}
+    assert {m["read_events"] for name, m in out["systems"].items() if name not in SQL_SYSTEMS} == {
+        600
+    }
 
     res = runner.invoke(main, [*args, "--db-dir", str(tmp_path)])
     assert res.exit_code == 0, res.output

@@ -134,7 +134,10 @@ def _run_worker(
     *,
     kill_after_step: int | None,
     on_message: Callable[[dict[str, Any]], None],
+    may_kill: Callable[[], bool] = lambda: True,
 ) -> WorkerOutcome:
+    """Run one worker; SIGKILL its process group after the first step report at or past
+    ``kill_after_step`` for which ``may_kill()`` holds (None: let it finish)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
     # stderr goes to a file, not a pipe: a chatty worker (vLLM logs a lot) would fill a
     # pipe nobody reads until the end and block forever.
@@ -185,6 +188,7 @@ def _run_worker(
                     kill_after_step is not None
                     and msg.get("event") == "step"
                     and msg["step"] >= kill_after_step
+                    and may_kill()
                 ):
                     # A real crash: no cleanup, no flush, generation still in flight.
                     _kill_group(proc)
@@ -262,7 +266,9 @@ def _server_load(url: str) -> int:
         return 0
 
 
-def _kill_and_restart(launcher: Any, notify: Callable[[dict[str, Any]], None]) -> None:
+def _kill_and_restart(
+    launcher: Any, notify: Callable[[dict[str, Any]], None], killed: threading.Event
+) -> None:
     """SIGKILL the last engine's process group once it has requests in flight (within a
     bounded wait), then restart it on the same port and wait until it is ready."""
     victim = launcher.engines[-1]
@@ -270,8 +276,20 @@ def _kill_and_restart(launcher: Any, notify: Callable[[dict[str, Any]], None]) -
     while _server_load(victim.url) == 0 and time.monotonic() < deadline:
         time.sleep(0.005)  # polling a local endpoint; bounded by the deadline
     launcher.kill(victim.engine_id, signal.SIGKILL)
+    killed.set()
     notify({"event": "engine_killed", "engine": victim.engine_id})
     launcher.restart(victim.engine_id)
+
+
+def _engine_loss_recorded(url: str, run_id: str) -> bool:
+    """Whether the run's log holds an EngineLost event yet (a read-only look)."""
+    from rolloutlog.controller.rollout_index import read_where
+
+    try:
+        with EventStore.open(url, readonly=True) as store:
+            return bool(read_where(store, run_id, event_type="EngineLost"))
+    except Exception:  # not created yet, or busy: ask again at the next step
+        return False
 
 
 def _port_free(port: int) -> bool:
@@ -339,6 +357,7 @@ def run_demo(
     kill_at = kill_step(cfg.steps, cfg.checkpoint_every)
     launcher = None
     restarts: list[threading.Thread] = []
+    engine_killed = threading.Event()
     if cfg.backend == "vllm-fleet" and not cfg.fleet.urls:
         cfg, launcher = _launch_engines(cfg)
     try:
@@ -354,13 +373,28 @@ def run_demo(
                 # same port (in a thread: the run goes on with the other engines).
                 thread = threading.Thread(
                     target=_kill_and_restart,
-                    args=(launcher, lambda m: notify("first", m)),
+                    args=(launcher, lambda m: notify("first", m), engine_killed),
                     name="demo-engine-kill",
                 )
                 thread.start()
                 restarts.append(thread)
 
-        first = _run_worker(cfg, rid, "fresh", kill_after_step=kill_at, on_message=first_message)
+        def may_kill_worker() -> bool:
+            # With an engine kill planned, the worker crash waits until the worker has
+            # recorded that engine's loss: killed first, it never would, and the resumed
+            # worker would find the engine restarted.
+            if launcher is None or cfg.fleet.kill_engine_at_step is None:
+                return True
+            return engine_killed.is_set() and _engine_loss_recorded(cfg.store.url, rid)
+
+        first = _run_worker(
+            cfg,
+            rid,
+            "fresh",
+            kill_after_step=kill_at,
+            on_message=first_message,
+            may_kill=may_kill_worker,
+        )
         if not first.killed:
             raise DemoError("the first worker finished before the planned crash")
         for thread in restarts:  # the resumed worker finds every engine up
