@@ -162,9 +162,11 @@ def test_after_a_compaction_the_base_is_the_compaction_point(logged: str) -> Non
     store = EventStore.open(logged)
     try:
         last = store.last_seq("r")
-        plan = compact(store, "r", last)
+        # Up to a snapshot before the last event, so a row after the base exists (the
+        # newest snapshot may be cut at the very last event).
+        plan = compact(store, "r", last - 1)
         base = plan.snapshot_seq
-        assert base > 1
+        assert 1 < base < last
         store.check_log()
         assert next(iter(store.read("r"))).seq == base
         replay(store, "r")  # from the base snapshot, no false alarm
