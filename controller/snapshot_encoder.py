@@ -53,11 +53,6 @@ class SnapshotEncoder:
         self._dirty: set[int] = set()
         self._all_dirty = True  # nothing encoded yet
 
-    @property
-    def pending(self) -> int:
-        """Groups touched since they were last encoded (unknown: -1 before the first pass)."""
-        return -1 if self._all_dirty else len(self._dirty)
-
     def touched(self, events: Iterable[RolloutEvent]) -> None:
         """Note the groups ``events`` change (call after applying them)."""
         for event in events:

@@ -106,3 +106,56 @@ def test_a_due_snapshot_is_cut_only_after_every_touched_group_is_encoded(sqlite_
         assert decode_snapshot(snap.data).last_seq == seq
     finally:
         store.close()
+
+
+def test_a_failing_snapshot_encoding_never_stops_the_run_and_the_next_one_is_whole(
+    sqlite_url: str,
+) -> None:
+    """Faults in both halves of the incremental encoding: on the caller's thread (the
+    encoder starts over from a clean slate) and on the snapshot thread (the write is
+    skipped). The run goes on, the failures are counted, and a later snapshot restores
+    to exactly the live state."""
+    from rolloutlog.controller import snapshot_encoder
+    from rolloutlog.controller.rollout_controller import replay
+
+    store = EventStore.open(sqlite_url)
+    ctl = _start(store, snapshot_interval=20)
+    faults = {"refresh": 1, "finish": 1}
+    real_refresh = snapshot_encoder.SnapshotEncoder.refresh
+    real_cut = snapshot_encoder.SnapshotEncoder.cut
+
+    def refresh(self: Any, state: Any, slice_s: float | None = None) -> bool:
+        if faults["refresh"]:
+            faults["refresh"] -= 1
+            raise RuntimeError("injected encoding fault")
+        return real_refresh(self, state, slice_s)
+
+    def cut(self: Any, state: Any) -> Any:
+        finish = real_cut(self, state)
+        if not faults["finish"]:
+            return finish
+
+        def failing() -> bytes:
+            faults["finish"] -= 1
+            raise RuntimeError("injected compression fault")
+
+        return failing
+
+    snapshot_encoder.SnapshotEncoder.refresh = refresh  # type: ignore[method-assign]
+    snapshot_encoder.SnapshotEncoder.cut = cut  # type: ignore[method-assign]
+    try:
+        asyncio.run(_train(ctl, 6))
+        ctl.close()
+    finally:
+        snapshot_encoder.SnapshotEncoder.refresh = real_refresh  # type: ignore[method-assign]
+        snapshot_encoder.SnapshotEncoder.cut = real_cut  # type: ignore[method-assign]
+    try:
+        assert faults == {"refresh": 0, "finish": 0}
+        assert ctl.snapshot_failures == 2
+        assert ctl.snapshots_written >= 1
+        assert ctl.state.train_step == 6
+        fast = replay(store, "r", use_snapshots=True)
+        assert fast.snapshot_offset is not None
+        assert fast.state.to_snapshot() == ctl.state.to_snapshot()
+    finally:
+        store.close()
