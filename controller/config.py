@@ -88,6 +88,15 @@ class StoreConfig(BaseModel):
         "commands touched, once a snapshot is due (the snapshot is taken when none is "
         "left; joining and compressing run on the snapshot thread).",
     )
+    gc_freeze_interval: int = Field(
+        0,
+        ge=0,
+        description="Events between two moves of the process's live objects out of the "
+        "garbage collector's full collections (gc.collect of what is new, then gc.freeze), "
+        "so a full collection over a large buffer (100-200 ms at 100k groups) does not pause "
+        "the event loop. Process-wide; objects that die inside reference cycles after a "
+        "freeze are reclaimed only when the last such controller closes. 0: never.",
+    )
     require_stored_payloads: bool = Field(
         True,
         description="Refuse a CompleteSibling whose payload is neither put with it nor "

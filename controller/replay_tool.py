@@ -349,18 +349,7 @@ def command_for(decision: Decision, state: RunState) -> Command | None:
         sibs = tuple(e.sibling for e in decision.events if isinstance(e, SiblingDispatched))
         return DispatchSiblings(lead.group_id, sibs, lead.weight_version)
     if isinstance(lead, SiblingCompleted):
-        return CompleteSibling(
-            group_id=lead.group_id,
-            sibling=lead.sibling,
-            attempt=lead.attempt,
-            weight_version=lead.weight_version,
-            prompt_tokens=lead.prompt_tokens,
-            completion_tokens=lead.completion_tokens,
-            reward=lead.reward,
-            payload_id=lead.payload_id,
-            finish_reason=lead.finish_reason,
-            engine_id=lead.engine_id,
-        )
+        return CompleteSibling(lead.completion())
     if isinstance(lead, EngineJoined):
         return RecordEngineJoined(lead.engine_id, lead.address, lead.weight_version)
     if isinstance(lead, EngineLost):

@@ -42,13 +42,14 @@ from .domain.commands import (
     MarkCheckpoint,
     Restore,
     Resume,
-    SalvagedCompletion,
     StartRun,
 )
+from .domain.completion import Completion
 from .domain.errors import CursorBehindError, RestoreError, UnknownPayloadError
 from .domain.events import CheckpointMarked, RolloutEvent, SiblingCompleted
 from .domain.invariants import check_invariants
 from .domain.state import RunState
+from .gc_freeze import HeapFreezer
 from .rollout_index import IndexedEvent, attach, encode, read_history_indexed
 from .snapshot_encoder import SnapshotEncoder, decode_snapshot, encode_snapshot
 
@@ -205,6 +206,9 @@ class RolloutController:
         self._undelivered: deque[list[tuple[int, RolloutEvent]]] = deque()
         self._deliver_lock = threading.RLock()
         self._failure: BaseException | None = None
+        # Off by default (it is process-wide); see gc_freeze.py for what it costs.
+        self.heap_freezer = HeapFreezer(self.store_config.gc_freeze_interval)
+        self.heap_freezer.start(state.last_seq)
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -424,7 +428,7 @@ class RolloutController:
             if not events:
                 return []
             if isinstance(command, CompleteSibling) and self.store_config.require_stored_payloads:
-                self._check_payload(command.payload_id, payload_puts)
+                self._check_payload(command.completion.payload_id, payload_puts)
             now = self.clock()
             ts, wv = self.state.train_step, self.state.weight_version
             rows = [encode(ev, recorded_at=now, train_step=ts, weight_version=wv) for ev in events]
@@ -455,6 +459,7 @@ class RolloutController:
             if self.store_config.snapshot_interval > 0:
                 self._snapshot_encoder.touched(events)
             self._maybe_snapshot()
+            self.heap_freezer.after(self.state.last_seq)
         self._deliver_durable()
         return applied
 
@@ -613,6 +618,7 @@ class RolloutController:
             self._deliver_durable()
         finally:
             self._snapshots.shutdown(wait=True)
+            self.heap_freezer.close()
 
 
 def _check_fingerprint(
@@ -715,26 +721,14 @@ def _descendant_rows(store: EventStore, run_id: str, offset: int) -> Iterator[St
             yield row
 
 
-def _salvageable(store: EventStore, run_id: str, offset: int) -> tuple[SalvagedCompletion, ...]:
-    """Completions recorded after ``offset`` by histories that continue from it."""
+def _salvageable(store: EventStore, run_id: str, offset: int) -> tuple[tuple[int, Completion], ...]:
+    """Completions recorded after ``offset`` by histories that continue from it, each
+    with the offset of the ``SiblingCompleted`` that recorded it."""
     out = []
     for row in _descendant_rows(store, run_id, offset):
         if row.type != SiblingCompleted.event_type:
             continue
         ev = CODEC.decode(row)
         assert isinstance(ev, SiblingCompleted)
-        out.append(
-            SalvagedCompletion(
-                offset=row.seq,
-                group_id=ev.group_id,
-                sibling=ev.sibling,
-                attempt=ev.attempt,
-                weight_version=ev.weight_version,
-                prompt_tokens=ev.prompt_tokens,
-                completion_tokens=ev.completion_tokens,
-                reward=ev.reward,
-                payload_id=ev.payload_id,
-                finish_reason=ev.finish_reason,
-            )
-        )
+        out.append((row.seq, ev.completion()))
     return tuple(out)

@@ -430,16 +430,11 @@ class RolloutRuntime:
             try:
                 self.controller.execute(
                     CompleteSibling(
-                        group_id=res.group_id,
-                        sibling=res.sibling,
-                        attempt=res.attempt,
-                        weight_version=res.weight_version,
-                        prompt_tokens=len(request.prompt_token_ids),
-                        completion_tokens=len(res.token_ids),
-                        reward=reward,
-                        payload_id=payload_id,
-                        finish_reason=res.finish_reason,
-                        engine_id=res.engine_id,
+                        res.completion(
+                            prompt_tokens=len(request.prompt_token_ids),
+                            reward=reward,
+                            payload_id=payload_id,
+                        )
                     ),
                     payload_puts=(PayloadPut(payload_id, "sibling", data),),
                 )

@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
+from ..domain.completion import Completion
+
 if TYPE_CHECKING:  # torch is the [torch] extra: the core imports it only where weights move
     import torch
 
@@ -92,6 +94,23 @@ class SiblingResult:
     finish_reason: str  # "stop" | "length"
     #: Which engine generated it (set by the HTTP/fleet backends; None in-process).
     engine_id: str | None = None
+
+    def completion(self, *, prompt_tokens: int, reward: float, payload_id: str) -> Completion:
+        """The domain's record of this result, once the pump has scored it and named the
+        payload its token ids and logprobs are stored as (neither is the backend's to
+        know)."""
+        return Completion(
+            group_id=self.group_id,
+            sibling=self.sibling,
+            attempt=self.attempt,
+            weight_version=self.weight_version,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=len(self.token_ids),
+            reward=reward,
+            payload_id=payload_id,
+            finish_reason=self.finish_reason,
+            engine_id=self.engine_id,
+        )
 
 
 @runtime_checkable

@@ -15,10 +15,10 @@ from .commands import (
     RecordTrainStep,
     Restore,
     Resume,
-    SalvagedCompletion,
     SelectBatch,
     StartRun,
 )
+from .completion import Completion
 from .decider import decide, evolve, fold, initial_state
 from .events import CODEC
 from .invariants import check_invariants, find_violations
@@ -29,6 +29,7 @@ __all__ = [
     "AbortSibling",
     "AdmitStep",
     "CompleteSibling",
+    "Completion",
     "DispatchSiblings",
     "EvictStale",
     "FailSibling",
@@ -43,7 +44,6 @@ __all__ = [
     "Restore",
     "Resume",
     "RunState",
-    "SalvagedCompletion",
     "SelectBatch",
     "SiblingState",
     "SiblingStatus",

@@ -212,11 +212,13 @@ def evolve_group_committed(state: RunState, ev: GroupCommitted) -> None:
     group.phase = Phase.READY
     state.counters.groups_committed += 1
     group.ready_order = state.counters.groups_committed
+    state.ready[group.group_id] = None
     state.counters.tokens_committed += sum(s.completion_tokens for s in group.siblings)
 
 
 def _remove(state: RunState, group: GroupState, outcome: VacateOutcome, reason: str) -> None:
     del state.groups[group.group_id]
+    state.ready.pop(group.group_id, None)
     state.loans.pop(group.group_id, None)
     t = group.target_step
     if outcome in ("shrunk", "unreplaced", "run_failed") and t is not None and t in state.quotas:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..config import RolloutConfig
+from .completion import Completion
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,18 +38,9 @@ class DispatchSiblings:
 
 @dataclass(frozen=True, slots=True)
 class CompleteSibling:
-    """A sibling attempt finished generating."""
+    """A sibling attempt finished generating: ``completion`` is what it produced."""
 
-    group_id: int
-    sibling: int
-    attempt: int
-    weight_version: int
-    prompt_tokens: int
-    completion_tokens: int
-    reward: float
-    payload_id: str
-    finish_reason: str
-    engine_id: str | None = None  # the engine that generated it, when known
+    completion: Completion
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,33 +94,20 @@ class MarkCheckpoint:
 
 
 @dataclass(frozen=True, slots=True)
-class SalvagedCompletion:
-    """A completion found in the abandoned part of the log after a restore offset."""
-
-    offset: int
-    group_id: int
-    sibling: int
-    attempt: int
-    weight_version: int
-    prompt_tokens: int
-    completion_tokens: int
-    reward: float
-    payload_id: str
-    finish_reason: str
-
-
-@dataclass(frozen=True, slots=True)
 class Restore:
     """Resume the run, in a new epoch, from the checkpoint at ``from_offset``.
 
-    The state this is decided against is the state at ``from_offset``.
+    The state this is decided against is the state at ``from_offset``. ``salvage`` holds
+    the completions found in the abandoned part of the log after it, each with the log
+    offset of the ``SiblingCompleted`` that recorded it (the salvaged event's
+    ``salvaged_from``).
     """
 
     from_offset: int
     epoch: int
     mode: Literal["salvage", "strict"]
     forced: bool
-    salvage: tuple[SalvagedCompletion, ...] = ()
+    salvage: tuple[tuple[int, Completion], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

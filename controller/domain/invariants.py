@@ -17,7 +17,7 @@ from .errors import (
     SiblingAccountingError,
     StalenessError,
 )
-from .state import Phase, RunState, SiblingStatus
+from .state import Phase, RunState, SiblingStatus, ready_index
 
 
 def find_violations(state: RunState) -> list[InvariantViolation]:
@@ -170,6 +170,15 @@ def _selection(state: RunState) -> list[InvariantViolation]:
                     f"group {g.group_id} is selected but in no batch", groups=(g.group_id,)
                 )
             )
+    # The ready index the samplers read must be exactly the READY groups, in commit order.
+    if list(state.ready) != list(ready_index(state.groups)):
+        out.append(
+            SelectionError(
+                f"the ready index lists {len(state.ready)} groups, not the "
+                f"{sum(1 for g in state.groups.values() if g.phase is Phase.READY)} ready "
+                "groups in commit order"
+            )
+        )
     return out
 
 

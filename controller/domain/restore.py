@@ -4,6 +4,8 @@ after the checkpoint, and eviction of recovered groups that are already too stal
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .buffer import VacancyPlanner
 from .commands import Restore, Resume
 from .errors import MonotonicityError, RestoreError
@@ -55,7 +57,7 @@ def _salvage(state: RunState, cmd: Restore) -> list[RolloutEvent]:
     """Completions after the offset, by weights the restored trainer still has."""
     events: list[RolloutEvent] = []
     taken: dict[int, dict[int, int]] = {}
-    for c in sorted(cmd.salvage, key=lambda c: c.offset):
+    for offset, c in sorted(cmd.salvage, key=lambda s: s[0]):
         group = state.groups.get(c.group_id)
         if group is None or group.phase is not Phase.ADMITTED:
             continue
@@ -69,20 +71,12 @@ def _salvage(state: RunState, cmd: Restore) -> list[RolloutEvent]:
         if c.sibling in done:
             continue
         done[c.sibling] = c.weight_version
-        events.append(
-            SiblingCompleted(
-                group_id=c.group_id,
-                sibling=c.sibling,
-                attempt=c.attempt,
-                weight_version=c.weight_version,
-                prompt_tokens=max(c.prompt_tokens, 1),
-                completion_tokens=c.completion_tokens,
-                reward=c.reward,
-                payload_id=c.payload_id,
-                finish_reason=c.finish_reason,
-                salvaged_from=c.offset,
-            )
-        )
+        # As before, a salvaged event names no engine: the generating was done in the
+        # abandoned branch, and an engine_id on a SiblingCompleted says which engine
+        # generated it in this history (engine metrics, the engine views). The prompt
+        # count is raised to 1, the least a live completion may report.
+        salvaged = replace(c, prompt_tokens=max(c.prompt_tokens, 1), engine_id=None)
+        events.append(SiblingCompleted.of(salvaged, salvaged_from=offset))
     for gid, done in taken.items():
         events.extend(commit_if_complete(state, gid, extra_done=done))
     return events

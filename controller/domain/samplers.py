@@ -10,6 +10,7 @@ groups are too stale to keep.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -38,7 +39,13 @@ def stale_groups(state: RunState, phases: tuple[Phase, ...]) -> list[tuple[Group
         return []
     bound = state.rules.staleness_bound
     out = []
-    for g in state.groups.values():
+    # Only the ready groups when only they are asked for (the index, not a scan).
+    pool = (
+        (state.groups[gid] for gid in state.ready)
+        if phases == (Phase.READY,)
+        else state.groups.values()
+    )
+    for g in pool:
         if g.phase in phases:
             s = state.staleness(g)
             if s > bound:
@@ -97,14 +104,17 @@ def _plan_in_order(state: RunState, t: int) -> BatchPlan:
 
 def _plan_pooled(state: RunState) -> BatchPlan:
     rules = state.rules
-    # The first groups_per_step in the sampler's order: a heap of that size, not a sort
-    # of the whole buffer (100k ready groups). Keys are unique (they end in the group id),
-    # so this is exactly sorted(...)[:groups_per_step].
-    eligible = heapq.nsmallest(
-        rules.groups_per_step,
-        (g for g in state.groups.values() if g.phase is Phase.READY),
-        key=_ORDERS[rules.sampler],
-    )
+    want = rules.groups_per_step
+    if rules.sampler == "ready_first":
+        # The ready index is in commit order, which is this sampler's order: its head.
+        eligible = [state.groups[gid] for gid in itertools.islice(state.ready, want)]
+    else:
+        # The first groups_per_step in the sampler's order: a heap of that size, not a
+        # sort of the whole buffer. Keys are unique (they end in the group id), so this is
+        # exactly sorted(...)[:groups_per_step].
+        eligible = heapq.nsmallest(
+            want, (state.groups[gid] for gid in state.ready), key=_ORDERS[rules.sampler]
+        )
     if len(eligible) >= rules.groups_per_step:
         return BatchPlan(select=eligible)
     generating = any(g.phase is Phase.ADMITTED for g in state.groups.values())

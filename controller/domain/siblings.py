@@ -99,35 +99,21 @@ def decide_dispatch(state: RunState, cmd: DispatchSiblings) -> list[RolloutEvent
 
 def decide_complete(state: RunState, cmd: CompleteSibling) -> list[RolloutEvent]:
     """SiblingCompleted, plus GroupCommitted when it was the group's last sibling."""
-    sib = _in_flight(state, cmd.group_id, cmd.sibling, cmd.attempt)
+    c = cmd.completion
+    sib = _in_flight(state, c.group_id, c.sibling, c.attempt)
     dispatched = sib.weight_version if sib.weight_version is not None else 0
-    if not dispatched <= cmd.weight_version <= state.weight_version:
+    if not dispatched <= c.weight_version <= state.weight_version:
         raise IllegalTransitionError(
-            f"group {cmd.group_id} sibling {cmd.sibling} was dispatched with weight version "
+            f"group {c.group_id} sibling {c.sibling} was dispatched with weight version "
             f"{dispatched} and the trainer is at {state.weight_version}, but the result "
-            f"reports version {cmd.weight_version}"
+            f"reports version {c.weight_version}"
         )
-    if cmd.completion_tokens < 1 or cmd.prompt_tokens < 1:
+    if c.completion_tokens < 1 or c.prompt_tokens < 1:
         raise IllegalTransitionError(
-            f"group {cmd.group_id} sibling {cmd.sibling}: token counts must be positive"
+            f"group {c.group_id} sibling {c.sibling}: token counts must be positive"
         )
-    events: list[RolloutEvent] = [
-        SiblingCompleted(
-            group_id=cmd.group_id,
-            sibling=cmd.sibling,
-            attempt=cmd.attempt,
-            weight_version=cmd.weight_version,
-            prompt_tokens=cmd.prompt_tokens,
-            completion_tokens=cmd.completion_tokens,
-            reward=cmd.reward,
-            payload_id=cmd.payload_id,
-            finish_reason=cmd.finish_reason,
-            engine_id=cmd.engine_id,
-        )
-    ]
-    events.extend(
-        commit_if_complete(state, cmd.group_id, extra_done={cmd.sibling: cmd.weight_version})
-    )
+    events: list[RolloutEvent] = [SiblingCompleted.of(c)]
+    events.extend(commit_if_complete(state, c.group_id, extra_done={c.sibling: c.weight_version}))
     return events
 
 

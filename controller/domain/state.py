@@ -154,6 +154,10 @@ class RunState:
     published_version: int = 0  # what generation serves
     next_group_id: int = 0
     groups: dict[int, GroupState] = field(default_factory=dict)
+    #: Ids of the READY groups in commit order (an index of ``groups``, derived from it:
+    #: never snapshotted, rebuilt on decode). The ready_first sampler reads its head
+    #: instead of scanning a 100k-group buffer; the others scan only the ready groups.
+    ready: dict[int, None] = field(default_factory=dict)
     quotas: dict[int, int] = field(default_factory=dict)  # target step -> groups it trains
     spares: list[int] = field(default_factory=list)  # spare group ids, oldest first
     batches: dict[int, list[int]] = field(default_factory=dict)  # selected, untrained
@@ -210,7 +214,7 @@ class RunState:
         """
         data: dict[str, Any] = {}
         for name in _field_names(RunState):
-            if name == "groups" and not groups:
+            if (name == "groups" and not groups) or name == "ready":
                 continue
             value = getattr(self, name)
             if name == "config":
@@ -251,6 +255,7 @@ class RunState:
             published_version=data["published_version"],
             next_group_id=data["next_group_id"],
             groups=groups,
+            ready=ready_index(groups),
             quotas={int(k): v for k, v in data["quotas"]},
             spares=list(data["spares"]),
             batches={int(k): list(v) for k, v in data["batches"]},
@@ -262,6 +267,13 @@ class RunState:
             # Snapshots written before engine membership have no engine table.
             engines={e["engine_id"]: EngineState(**e) for e in data.get("engines", [])},
         )
+
+
+def ready_index(groups: dict[int, GroupState]) -> dict[int, None]:
+    """The ``RunState.ready`` index of ``groups``: READY group ids in commit order."""
+    ready = [g for g in groups.values() if g.phase is Phase.READY]
+    ready.sort(key=lambda g: (g.ready_order if g.ready_order is not None else -1, g.group_id))
+    return dict.fromkeys(g.group_id for g in ready)
 
 
 @functools.lru_cache(maxsize=4)

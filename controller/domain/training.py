@@ -173,6 +173,7 @@ def evolve_group_selected(state: RunState, ev: GroupSelected) -> None:
             groups=(ev.group_id,),
         )
     group.phase = Phase.SELECTED
+    del state.ready[group.group_id]
     group.selected_for = ev.train_step
     group.selected_staleness = ev.staleness
 

@@ -58,6 +58,7 @@ from rolloutlog.controller.config import RolloutConfig, StoreConfig
 from rolloutlog.controller.domain import (
     AdmitStep,
     CompleteSibling,
+    Completion,
     DispatchSiblings,
     FailSibling,
     MarkCheckpoint,
@@ -501,15 +502,17 @@ class RunDriver:
                     assert s.weight_version is not None
                     self.execute(
                         CompleteSibling(
-                            group_id=g.group_id,
-                            sibling=i,
-                            attempt=s.attempt,
-                            weight_version=s.weight_version,
-                            prompt_tokens=64 + k % 448,
-                            completion_tokens=16 + (k * 7) % 2032,
-                            reward=(k % 17) / 16,
-                            payload_id=f"tok-{g.group_id:08d}-{i:02d}-{s.attempt}",
-                            finish_reason="length" if (k * 7) % 2032 > 2000 else "stop",
+                            Completion(
+                                group_id=g.group_id,
+                                sibling=i,
+                                attempt=s.attempt,
+                                weight_version=s.weight_version,
+                                prompt_tokens=64 + k % 448,
+                                completion_tokens=16 + (k * 7) % 2032,
+                                reward=(k % 17) / 16,
+                                payload_id=f"tok-{g.group_id:08d}-{i:02d}-{s.attempt}",
+                                finish_reason="length" if (k * 7) % 2032 > 2000 else "stop",
+                            )
                         )
                     )
                 yield
@@ -535,6 +538,7 @@ def build_buffered_run(
     *,
     snapshot_interval: int = 0,
     dataset_size: int | None = None,
+    gc_freeze_interval: int = 0,
 ) -> RolloutController:
     """A controller whose buffer holds ``groups`` ready groups, built by public commands.
 
@@ -550,7 +554,10 @@ def build_buffered_run(
         dataset_size=groups if dataset_size is None else dataset_size,
         # Synthetic completions name payloads without storing them (domain cost only).
         store_config=StoreConfig(
-            url=url, snapshot_interval=snapshot_interval, require_stored_payloads=False
+            url=url,
+            snapshot_interval=snapshot_interval,
+            require_stored_payloads=False,
+            gc_freeze_interval=gc_freeze_interval,
         ),
     )
     while admission_blocker(ctl.state) is None and len(ctl.state.groups) < groups:
@@ -571,15 +578,17 @@ def _complete_one(ctl: RolloutController, group_id: int, k: int) -> None:
     sib = ctl.state.groups[group_id].siblings[0]
     ctl.execute(
         CompleteSibling(
-            group_id=group_id,
-            sibling=0,
-            attempt=sib.attempt,
-            weight_version=sib.weight_version or 0,
-            prompt_tokens=64 + k % 448,
-            completion_tokens=16 + (k * 7) % 2032,
-            reward=(k % 17) / 16,
-            payload_id=f"tok-{group_id:08d}-00-{sib.attempt}",
-            finish_reason="stop",
+            Completion(
+                group_id=group_id,
+                sibling=0,
+                attempt=sib.attempt,
+                weight_version=sib.weight_version or 0,
+                prompt_tokens=64 + k % 448,
+                completion_tokens=16 + (k * 7) % 2032,
+                reward=(k % 17) / 16,
+                payload_id=f"tok-{group_id:08d}-00-{sib.attempt}",
+                finish_reason="stop",
+            )
         )
     )
 
@@ -593,65 +602,105 @@ def bench_loop_pause(
     takes snapshots every ``snapshot_interval // 5`` events. A coroutine runs training
     cycles through it as the pump does (select, train, publish, admit, dispatch and
     complete the next step's groups, yielding to the loop between commands) while a
-    monitor task sleeps 1 ms at a time and records how late it wakes. Baseline, same
-    run: :func:`encode_snapshot` of the whole state, which is what a snapshot used to
-    cost inline.
+    monitor task sleeps 1 ms at a time and records how late it wakes. It runs twice, each
+    on a buffer of its own: with ``store.gc_freeze_interval`` set to the
+    snapshot interval (``max_loop_pause_ms``, the setting docs/operations.md recommends
+    for large buffers) and with the default 0 (``max_loop_pause_ms_without_gc_freeze``:
+    CPython's full collections then walk the whole state). Baseline, same run:
+    :func:`encode_snapshot` of the whole state, what a snapshot used to cost inline.
     """
     say = progress or (lambda _msg: None)
+    interval = max(1, sizes.snapshot_interval // 5)
+    frozen = _loop_pause_run(root, sizes, say, gc_freeze_interval=interval, label="frozen")
+    default = _loop_pause_run(root, sizes, say, gc_freeze_interval=0, label="default")
+    worst, worst_default = frozen["loop_pause_ms"]["max"], default["loop_pause_ms"]["max"]
+    step_ms = max(frozen["max_snapshot_step_ms"], default["max_snapshot_step_ms"])
+    return {
+        **frozen,
+        "gc_freeze_interval": interval,
+        "without_gc_freeze": default,
+        "full_snapshot_encode_vs_max_loop_pause": _ratio(frozen["full_snapshot_encode_ms"], worst),
+        "ratios": {
+            "max_loop_pause_ms": worst,
+            "max_loop_pause_ms_without_gc_freeze": worst_default,
+            "max_snapshot_step_ms": step_ms,
+        },
+    }
+
+
+def _loop_pause_run(
+    root: Path,
+    sizes: DomainBenchSizes,
+    say: _ProgressFn,
+    *,
+    gc_freeze_interval: int,
+    label: str,
+) -> dict[str, Any]:
+    """One measured run of :func:`bench_loop_pause` with this ``gc_freeze_interval``."""
     groups = sizes.checkpoint_groups[1]
     per_step = sizes.checkpoint_groups_per_step
     cycles = 12
     rollout = checkpoint_config(per_step, groups)
     interval = max(1, sizes.snapshot_interval // 5)
-    say(f"loop: building a buffer of {size_label(groups)} ready groups (snapshots on)")
+    say(
+        f"loop ({label}): building a buffer of {size_label(groups)} ready groups "
+        f"(snapshots on, gc_freeze_interval={gc_freeze_interval})"
+    )
+    gc.collect()
     ctl = build_buffered_run(
-        _sqlite_url(root / "loop.db"),
+        _sqlite_url(root / f"loop-{label}.db"),
         "loop",
         groups,
         rollout,
         snapshot_interval=interval,
         dataset_size=groups + per_step * (cycles + 2),
+        gc_freeze_interval=gc_freeze_interval,
     )
     try:
-        say("loop: timing the full-state encoding baseline")
+        say(f"loop ({label}): timing the full-state encoding baseline")
         encode_s = []
         for _ in range(sizes.snapshot_repeats):
             started = time.perf_counter()
             encode_snapshot(ctl.state)
             encode_s.append(time.perf_counter() - started)
         written_before = ctl.snapshots_written
-        say(f"loop: {cycles} training cycles of {per_step} groups on the event loop")
+        freezes_before = ctl.heap_freezer.freezes
+        say(f"loop ({label}): {cycles} training cycles of {per_step} groups on the event loop")
         ctl.snapshot_step_max_s = 0.0
+        ctl.heap_freezer.max_freeze_s = 0.0
         pauses = asyncio.run(_drive_cycles(ctl, cycles))
         snapshot_step_ms = ctl.snapshot_step_max_s * 1000
         ctl.flush()
-        ctl.close()
         check_invariants(ctl.state)
         events = ctl.state.last_seq
         snapshots = ctl.snapshots_written - written_before
+        freezes = ctl.heap_freezer.freezes - freezes_before
+        freeze_ms = ctl.heap_freezer.max_freeze_s * 1000
     finally:
-        ctl.close()
+        ctl.close()  # also gives frozen objects back to the collector
         ctl.store.close()
     _check(snapshots > 0, "no snapshot was taken while the loop was measured")
-    full_ms = _median(encode_s) * 1000
-    worst = max(pauses) * 1000
+    _check(
+        (freezes > 0) == (gc_freeze_interval > 0),
+        f"{freezes} heap freezes with gc_freeze_interval={gc_freeze_interval}",
+    )
     return {
         "ready_groups": groups,
         "cycles": cycles,
         "snapshot_interval": interval,
         "snapshots_written": snapshots,
+        "heap_freezes": freezes,
+        "max_heap_freeze_ms": freeze_ms,
         "log_events": events,
         "loop_pause_ms": {
-            "max": worst,
+            "max": max(pauses) * 1000,
             "p99": sorted(pauses)[int(0.99 * (len(pauses) - 1))] * 1000,
             "samples": len(pauses),
         },
-        "full_snapshot_encode_ms": full_ms,
+        "full_snapshot_encode_ms": _median(encode_s) * 1000,
         # The longest snapshot work any one command did on the loop (the rest of the
         # longest pause is the command itself and the garbage collector).
         "max_snapshot_step_ms": snapshot_step_ms,
-        "full_snapshot_encode_vs_max_loop_pause": _ratio(full_ms, worst),
-        "ratios": {"max_loop_pause_ms": worst, "max_snapshot_step_ms": snapshot_step_ms},
     }
 
 
@@ -679,10 +728,18 @@ async def _drive_cycles(ctl: RolloutController, cycles: int) -> list[float]:
             await asyncio.sleep(0)
             ctl.execute(PublishWeights(ctl.state.weight_version))
             await ctl.aflush()
+            first_new = ctl.state.next_group_id
             while admission_blocker(ctl.state) is None:
                 ctl.execute(AdmitStep())
                 await asyncio.sleep(0)
-            fresh = [g.group_id for g in ctl.state.groups.values() if g.phase is Phase.ADMITTED]
+            # The groups just admitted (ids are handed out in order; no spares here): not
+            # a scan of the 100k-group buffer, which would be the driver's own pause.
+            groups = ctl.state.groups
+            fresh = [
+                gid
+                for gid in range(first_new, ctl.state.next_group_id)
+                if gid in groups and groups[gid].phase is Phase.ADMITTED
+            ]
             for gid in fresh:
                 ctl.execute(DispatchSiblings(gid, (0,), ctl.state.published_version))
                 await asyncio.sleep(0)

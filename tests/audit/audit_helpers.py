@@ -24,6 +24,7 @@ from rolloutlog.controller.domain.commands import (
     RecordTrainStep,
     SelectBatch,
 )
+from rolloutlog.controller.domain.completion import Completion
 from rolloutlog.controller.domain.state import RunState, SiblingStatus
 from rolloutlog.controller.prompt_ledger import PromptLedger
 from rolloutlog.controller.rollout_controller import RolloutController
@@ -80,15 +81,17 @@ class _Driver:
         s = self.ctl.state.groups[gid].siblings[sibling]
         self.ctl.execute(
             CompleteSibling(
-                group_id=gid,
-                sibling=sibling,
-                attempt=s.attempt,
-                weight_version=s.weight_version or 0,
-                prompt_tokens=3,
-                completion_tokens=4 + sibling,
-                reward=reward if reward is not None else (gid % 5) / 4 + sibling / 8,
-                payload_id=f"g{gid}-s{sibling}-a{s.attempt}-e{self.ctl.epoch}",
-                finish_reason="stop",
+                Completion(
+                    group_id=gid,
+                    sibling=sibling,
+                    attempt=s.attempt,
+                    weight_version=s.weight_version or 0,
+                    prompt_tokens=3,
+                    completion_tokens=4 + sibling,
+                    reward=reward if reward is not None else (gid % 5) / 4 + sibling / 8,
+                    payload_id=f"g{gid}-s{sibling}-a{s.attempt}-e{self.ctl.epoch}",
+                    finish_reason="stop",
+                )
             )
         )
 

@@ -22,6 +22,7 @@ from rolloutlog.controller.domain import (
     AbortSibling,
     AdmitStep,
     CompleteSibling,
+    Completion,
     DispatchSiblings,
     FailSibling,
     PublishWeights,
@@ -182,19 +183,21 @@ def complete(
     """Complete an in-flight sibling (default: its current attempt and dispatch version)."""
     s = group(run, gid).siblings[sibling]
     command = CompleteSibling(
-        group_id=gid,
-        sibling=sibling,
-        attempt=s.attempt if attempt is None else attempt,
-        weight_version=(s.weight_version or 0) if version is None else version,
-        prompt_tokens=3,
-        completion_tokens=tokens,
-        reward=reward,
-        payload_id=f"g{gid}-s{sibling}-a{s.attempt}",
-        finish_reason="stop",
+        Completion(
+            group_id=gid,
+            sibling=sibling,
+            attempt=s.attempt if attempt is None else attempt,
+            weight_version=(s.weight_version or 0) if version is None else version,
+            prompt_tokens=3,
+            completion_tokens=tokens,
+            reward=reward,
+            payload_id=f"g{gid}-s{sibling}-a{s.attempt}",
+            finish_reason="stop",
+        )
     )
     if isinstance(run, RolloutController):
         # A controller refuses completions whose payload is not stored: store it with them.
-        put = PayloadPut(command.payload_id, "sibling", b"tokens")
+        put = PayloadPut(command.completion.payload_id, "sibling", b"tokens")
         return run.execute(command, payload_puts=(put,))
     return run.execute(command)
 

@@ -15,7 +15,7 @@ import pytest
 from domain_helpers import admit, admit_all, dispatch, finish_group, rules, start, step_groups
 
 from rolloutlog.controller import rollout_controller as rollout_module
-from rolloutlog.controller.domain import AdmitStep, CompleteSibling, SelectBatch
+from rolloutlog.controller.domain import AdmitStep, CompleteSibling, Completion, SelectBatch
 from rolloutlog.controller.domain.errors import UnknownPayloadError
 from rolloutlog.controller.metrics.live import LiveMetrics
 from rolloutlog.controller.rollout_controller import ControllerFailedError, RolloutController
@@ -49,7 +49,7 @@ class FailingAppends:
 def _completion(ctl: RolloutController, gid: int, sibling: int, payload_id: str) -> CompleteSibling:
     s = ctl.state.groups[gid].siblings[sibling]
     return CompleteSibling(
-        gid, sibling, s.attempt, s.weight_version or 0, 3, 4, 0.5, payload_id, "stop"
+        Completion(gid, sibling, s.attempt, s.weight_version or 0, 3, 4, 0.5, payload_id, "stop")
     )
 
 

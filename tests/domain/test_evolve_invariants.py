@@ -3,15 +3,17 @@ hand-corrupted states: one test per invariant 1-7 of docs/concepts.md."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from domain_helpers import PureRun, admit_all, dispatch, fail, finish_group, finish_step, train
 
 from rolloutlog.controller.domain import (
+    Completion,
     MarkCheckpoint,
     Phase,
     Restore,
     Resume,
-    SalvagedCompletion,
     SelectBatch,
     SiblingStatus,
     check_invariants,
@@ -216,8 +218,9 @@ def test_restore_salvages_only_valid_completions() -> None:
     finish_group(run, 4)
     ckpt = run.execute(MarkCheckpoint(0))[0][0]
 
-    def c(offset: int, gid: int, sib: int, version: int = 0) -> SalvagedCompletion:
-        return SalvagedCompletion(offset, gid, sib, 1, version, 3, 4, 1.0, f"s{offset}", "stop")
+    def c(offset: int, gid: int, sib: int, version: int = 0) -> tuple[int, Completion]:
+        # Salvage pairs a completion with the offset of the event that recorded it.
+        return offset, Completion(gid, sib, 1, version, 3, 4, 1.0, f"s{offset}", "stop", "e-0")
 
     salvage = (
         c(101, 0, 0),  # valid
@@ -243,6 +246,11 @@ def test_restore_salvages_only_valid_completions() -> None:
     assert head.siblings_rerun == 4  # type: ignore[attr-defined]
     assert head.complete_groups_restored == 1  # type: ignore[attr-defined]
     assert [e.salvaged_from for _, e in applied[1:3]] == [101, 103]  # type: ignore[attr-defined]
+    # The salvaged events are the salvaged completions, less the engine (it worked in
+    # the abandoned branch).
+    assert [e.completion() for _, e in applied[1:3]] == [  # type: ignore[attr-defined]
+        replace(salvage[i][1], engine_id=None) for i in (0, 2)
+    ]
     g0 = run.state.groups[0]
     assert g0.phase is Phase.READY and g0.recovered
     assert all(s.salvaged for s in g0.siblings)

@@ -3,6 +3,10 @@ superseded attempts, failure with retry, abort."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import fields
+from datetime import UTC, datetime
+
 import pytest
 from domain_helpers import (
     PureRun,
@@ -17,9 +21,12 @@ from domain_helpers import (
     train,
 )
 
+from rolloutlog.controller.backends.base import SiblingResult
 from rolloutlog.controller.domain import (
+    CODEC,
     AbortSibling,
     CompleteSibling,
+    Completion,
     DispatchSiblings,
     FailSibling,
     Phase,
@@ -30,6 +37,8 @@ from rolloutlog.controller.domain.errors import (
     StaleAttemptError,
     UnknownGroupError,
 )
+from rolloutlog.controller.domain.events import SiblingCompleted
+from rolloutlog.eventstore import StoredEvent
 
 
 def _run(**kw: object) -> PureRun:
@@ -90,7 +99,7 @@ def test_result_of_a_superseded_attempt_is_rejected() -> None:
     abort(run, 0, 0)
     dispatch(run, 0, (0,), version=0)  # attempt 2
     before = run.state.to_snapshot()
-    stale = CompleteSibling(0, 0, 1, 0, 3, 4, 0.5, "late", "stop")
+    stale = CompleteSibling(Completion(0, 0, 1, 0, 3, 4, 0.5, "late", "stop"))
     with pytest.raises(StaleAttemptError, match="attempt 1 is superseded by attempt 2"):
         run.execute(stale)
     with pytest.raises(StaleAttemptError):
@@ -106,22 +115,22 @@ def test_completing_a_sibling_that_is_not_in_flight_is_illegal() -> None:
     run = _run()
     # Never dispatched (attempt 0, pending).
     with pytest.raises(IllegalTransitionError, match="pending, not in flight") as exc:
-        run.execute(CompleteSibling(0, 1, 0, 0, 3, 4, 0.5, "p", "stop"))
+        run.execute(CompleteSibling(Completion(0, 1, 0, 0, 3, 4, 0.5, "p", "stop")))
     assert not isinstance(exc.value, StaleAttemptError)
     # Already done: a duplicate delivery of the same attempt is refused, not merged.
     dispatch(run, 0, (1,), version=0)
     complete(run, 0, 1)
     with pytest.raises(IllegalTransitionError, match="done, not in flight"):
-        run.execute(CompleteSibling(0, 1, 1, 0, 3, 4, 0.5, "dup", "stop"))
+        run.execute(CompleteSibling(Completion(0, 1, 1, 0, 3, 4, 0.5, "dup", "stop")))
     # Failed and waiting for a new dispatch.
     dispatch(run, 0, (2,), version=0)
     fail(run, 0, 2, retryable=True)
     with pytest.raises(IllegalTransitionError, match="pending, not in flight"):
-        run.execute(CompleteSibling(0, 2, 1, 0, 3, 4, 0.5, "p", "stop"))
+        run.execute(CompleteSibling(Completion(0, 2, 1, 0, 3, 4, 0.5, "p", "stop")))
     with pytest.raises(IllegalTransitionError, match=r"siblings 0\.\.2, not 3"):
-        run.execute(CompleteSibling(0, 3, 1, 0, 3, 4, 0.5, "p", "stop"))
+        run.execute(CompleteSibling(Completion(0, 3, 1, 0, 3, 4, 0.5, "p", "stop")))
     with pytest.raises(UnknownGroupError, match="group 99"):
-        run.execute(CompleteSibling(99, 0, 1, 0, 3, 4, 0.5, "p", "stop"))
+        run.execute(CompleteSibling(Completion(99, 0, 1, 0, 3, 4, 0.5, "p", "stop")))
 
 
 def test_completion_version_and_token_rules() -> None:
@@ -233,3 +242,98 @@ def test_abort_returns_the_sibling_to_pending() -> None:
     complete(run, 0, 0)
     with pytest.raises(IllegalTransitionError, match="done, not in flight"):
         run.execute(AbortSibling(0, 0, 1, "too late"))
+
+
+# ---------------------------------------------------------------- one Completion record
+
+_COMPLETION = Completion(
+    group_id=3,
+    sibling=1,
+    attempt=2,
+    weight_version=5,
+    prompt_tokens=7,
+    completion_tokens=11,
+    reward=0.75,
+    payload_id="e1-g3-s1-a2",
+    finish_reason="length",
+    engine_id="engine-0",
+)
+
+# The stored JSON keys of SiblingCompleted, in order, as every existing log has them.
+_STORED_KEYS = [
+    "group_id",
+    "sibling",
+    "attempt",
+    "weight_version",
+    "prompt_tokens",
+    "completion_tokens",
+    "reward",
+    "payload_id",
+    "finish_reason",
+    "salvaged_from",
+    "engine_id",
+]
+
+
+@pytest.mark.parametrize("salvaged_from", [None, 41])
+def test_sibling_completed_of_and_completion_round_trip(salvaged_from: int | None) -> None:
+    ev = SiblingCompleted.of(_COMPLETION, salvaged_from=salvaged_from)
+    assert ev.completion() == _COMPLETION
+    assert ev.salvaged_from == salvaged_from
+    # Decoded from its stored row, it is still the same completion.
+    row = CODEC.encode(ev, recorded_at=datetime(2026, 1, 1, tzinfo=UTC))
+    stored = StoredEvent("run", 1, 1, row.type, row.schema_version, row.payload, row.recorded_at)
+    decoded = CODEC.decode(stored)
+    assert isinstance(decoded, SiblingCompleted)
+    assert decoded == ev and decoded.completion() == _COMPLETION
+
+
+def test_sibling_completed_built_with_of_stores_the_old_flat_json() -> None:
+    """Existing logs must still decode: the event stays flat, key for key."""
+    flat = SiblingCompleted(
+        group_id=3,
+        sibling=1,
+        attempt=2,
+        weight_version=5,
+        prompt_tokens=7,
+        completion_tokens=11,
+        reward=0.75,
+        payload_id="e1-g3-s1-a2",
+        finish_reason="length",
+        salvaged_from=None,
+        engine_id="engine-0",
+    )
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    via_of = CODEC.encode(SiblingCompleted.of(_COMPLETION), recorded_at=now)
+    assert via_of == CODEC.encode(flat, recorded_at=now)
+    assert list(json.loads(via_of.payload)) == _STORED_KEYS
+    # Completion is exactly the event's fields less salvaged_from (no field forgotten).
+    assert [f.name for f in fields(Completion)] == [k for k in _STORED_KEYS if k != "salvaged_from"]
+
+
+def test_a_row_of_an_older_log_decodes_to_its_completion() -> None:
+    """A row written before engines were recorded (no engine_id key) still decodes."""
+    payload = (
+        '{"group_id":3,"sibling":1,"attempt":2,"weight_version":5,"prompt_tokens":7,'
+        '"completion_tokens":11,"reward":0.75,"payload_id":"e1-g3-s1-a2",'
+        '"finish_reason":"length","salvaged_from":null}'
+    )
+    row = StoredEvent("run", 9, 1, "SiblingCompleted", 1, payload, datetime(2026, 1, 1, tzinfo=UTC))
+    ev = CODEC.decode(row)
+    assert isinstance(ev, SiblingCompleted)
+    assert ev.completion() == Completion(3, 1, 2, 5, 7, 11, 0.75, "e1-g3-s1-a2", "length")
+
+
+def test_complete_sibling_records_its_completion_unchanged() -> None:
+    run = _run()
+    dispatch(run, 0, (1,), version=0)
+    c = Completion(0, 1, 1, 0, 3, 4, 0.5, "p", "stop", engine_id="engine-2")
+    (ev,) = only(run.execute(CompleteSibling(c)), "SiblingCompleted")
+    assert ev == SiblingCompleted.of(c) and ev.completion() == c
+
+
+def test_a_backend_result_becomes_a_completion() -> None:
+    """The runtime adds what the backend does not know: prompt size, reward, payload."""
+    res = SiblingResult(3, 1, 2, 5, (4, 5, 6), (-0.1, -0.2, -0.3), "stop", engine_id="engine-0")
+    c = res.completion(prompt_tokens=7, reward=0.75, payload_id="pl")
+    assert c == Completion(3, 1, 2, 5, 7, 3, 0.75, "pl", "stop", "engine-0")

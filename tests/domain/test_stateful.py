@@ -34,6 +34,7 @@ from rolloutlog.controller.domain import (
     AbortSibling,
     AdmitStep,
     CompleteSibling,
+    Completion,
     DispatchSiblings,
     EvictStale,
     FailSibling,
@@ -192,7 +193,9 @@ class RolloutMachine(RuleBasedStateMachine):
         self.results += 1
         self.c.execute(
             CompleteSibling(
-                gid, i, sib.attempt, version, 3, 1 + i, 0.25 * i, f"r{self.results}", "stop"
+                Completion(
+                    gid, i, sib.attempt, version, 3, 1 + i, 0.25 * i, f"r{self.results}", "stop"
+                )
             ),
             payload_puts=_put(f"r{self.results}"),
         )
@@ -219,15 +222,17 @@ class RolloutMachine(RuleBasedStateMachine):
                 self.results += 1
                 self.c.execute(
                     CompleteSibling(
-                        gid,
-                        i,
-                        sib.attempt,
-                        sib.weight_version or 0,
-                        3,
-                        2,
-                        1.0,
-                        f"r{self.results}",
-                        "stop",
+                        Completion(
+                            gid,
+                            i,
+                            sib.attempt,
+                            sib.weight_version or 0,
+                            3,
+                            2,
+                            1.0,
+                            f"r{self.results}",
+                            "stop",
+                        )
                     ),
                     payload_puts=_put(f"r{self.results}"),
                 )
@@ -300,15 +305,17 @@ class RolloutMachine(RuleBasedStateMachine):
                 sib = s.groups[gid].siblings[i]
                 self.c.execute(
                     CompleteSibling(
-                        gid,
-                        i,
-                        sib.attempt,
-                        sib.weight_version or 0,
-                        3,
-                        2,
-                        1.0,
-                        f"r{self.results}",
-                        "stop",
+                        Completion(
+                            gid,
+                            i,
+                            sib.attempt,
+                            sib.weight_version or 0,
+                            3,
+                            2,
+                            1.0,
+                            f"r{self.results}",
+                            "stop",
+                        )
                     ),
                     payload_puts=_put(f"r{self.results}"),
                 )
@@ -334,7 +341,9 @@ class RolloutMachine(RuleBasedStateMachine):
         sib = self.c.state.groups[gid].siblings[i]
         before = self.c.state.last_seq
         try:
-            self.c.execute(CompleteSibling(gid, i, sib.attempt - 1, 0, 3, 4, 0.0, "late", "stop"))
+            self.c.execute(
+                CompleteSibling(Completion(gid, i, sib.attempt - 1, 0, 3, 4, 0.0, "late", "stop"))
+            )
         except StaleAttemptError:
             pass
         else:
