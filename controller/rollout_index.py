@@ -10,7 +10,8 @@ exists exactly when its event does; a compaction removes them with their events.
 The table is created by the controller's own alembic revisions
 (``controller/index_migrations``): ``0004_rollout_index`` created it and backfilled it
 from the audit columns the ``events`` table had in revisions 0001-0003, and
-``0006_rollout_views`` re-created the audit views on top of it.
+``0006_rollout_views`` re-created the audit views on top of it; ``0009`` made the
+indexes of the sparse keys partial.
 
 Lookups (:func:`read_where`) and history reads (:func:`read_indexed`) return
 :class:`IndexedEvent`: a stored event plus its keys.
@@ -54,10 +55,21 @@ rollout_index = Table(
     Column("weight_version", BigInteger, nullable=True),
     PrimaryKeyConstraint("run_id", "seq", name="pk_rollout_index"),
 )
-Index("ix_rollout_index_run_group", rollout_index.c.run_id, rollout_index.c.group_id)
-Index("ix_rollout_index_run_prompt", rollout_index.c.run_id, rollout_index.c.prompt_index)
+# The sparse keys' indexes are partial (revision 0009): an event updates only the B-trees
+# of the keys it has. Every lookup is an equality, which implies the key IS NOT NULL.
+for _name, _column in (
+    ("ix_rollout_index_run_group", rollout_index.c.group_id),
+    ("ix_rollout_index_run_prompt", rollout_index.c.prompt_index),
+    ("ix_rollout_index_run_target_step", rollout_index.c.target_step),
+):
+    Index(
+        _name,
+        rollout_index.c.run_id,
+        _column,
+        sqlite_where=_column.isnot(None),
+        postgresql_where=_column.isnot(None),
+    )
 Index("ix_rollout_index_run_train_step", rollout_index.c.run_id, rollout_index.c.train_step)
-Index("ix_rollout_index_run_target_step", rollout_index.c.run_id, rollout_index.c.target_step)
 Index(
     "ix_rollout_index_run_type_step",
     rollout_index.c.run_id,

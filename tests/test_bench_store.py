@@ -226,3 +226,14 @@ def test_postgresql_mode_compares_with_raw_copy_and_measures_tail_latency(pg_url
     assert 0 <= result["tail_latency_ms"]["p50"] <= result["tail_latency_ms"]["max"]
     with EventStore.open(pg_url) as store:  # the benchmark's runs were removed
         assert store.list_runs() == []
+
+
+def test_the_workload_indexes_the_keys_the_domain_events_have() -> None:
+    """Every system indexes what the controller would: the real events' audit keys (a
+    sibling event names its group, no prompt and no target step)."""
+    for i in (0, 1, 2, 31, 32, 2047, 2048, 99_999):
+        s = store_bench.spec(i)
+        keys = store_bench.rolloutlog_event(s).audit_keys()
+        index = store_bench._index_keys(s)
+        assert index[:3] == (keys.group_id, keys.prompt_index, keys.target_step), i
+        assert keys.group_id is not None and keys.prompt_index is None, i

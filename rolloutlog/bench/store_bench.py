@@ -87,8 +87,9 @@ class Spec:
 
     completed: bool
     group_id: int
-    prompt_index: int
-    target_step: int
+    #: None, as the domain's audit keys of a sibling event have it (see :func:`spec`).
+    prompt_index: int | None
+    target_step: int | None
     train_step: int
     weight_version: int
     sibling: int
@@ -103,6 +104,9 @@ def spec(i: int) -> Spec:
     """Event ``i`` (0-based) of the workload: each sibling is dispatched, then completes.
 
     16 siblings per group, 64 groups per step; ids grow with the log as they do in a run.
+    A sibling event is about its group only: ``SiblingDispatched.audit_keys()`` and
+    ``SiblingCompleted.audit_keys()`` name no prompt and no target step, so every system
+    indexes a NULL there, as the controller's rows of these events have.
     """
     sibling_seq = i // 2
     group = sibling_seq // SIBLINGS_PER_GROUP
@@ -112,8 +116,8 @@ def spec(i: int) -> Spec:
     return Spec(
         completed=bool(i % 2),
         group_id=group,
-        prompt_index=group,
-        target_step=step,
+        prompt_index=None,
+        target_step=None,
         train_step=train,
         weight_version=train,
         sibling=sibling_seq % SIBLINGS_PER_GROUP,
@@ -542,7 +546,7 @@ def bench_eventsourcing(
 
 
 # ---------------------------------------------------------------------------- rolloutlog
-def _index_keys(s: Spec) -> tuple[int, int, int, int, int]:
+def _index_keys(s: Spec) -> tuple[int, int | None, int | None, int, int]:
     """The rollout index keys of ``s`` (what the controller's encode attaches)."""
     return (s.group_id, s.prompt_index, s.target_step, s.train_step, s.weight_version)
 
