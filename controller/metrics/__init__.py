@@ -7,6 +7,8 @@
   a controller (listener) or by polling the log; both roll back when a restore changes
   the history.
 - :func:`start_exporter` (``exporter``): serve any of them to Prometheus.
+- :func:`compact_with_metrics` / :func:`load_metrics_base` (``retention``): the metrics
+  base a compaction saves, where every reader of a compacted run starts.
 
 See ``docs/metrics.md`` for every metric's meaning, unit and caveats.
 """
@@ -39,6 +41,12 @@ from .projection import (
     fold_rows,
     project_history,
 )
+from .retention import (
+    MetricsBase,
+    compact_with_metrics,
+    load_metrics_base,
+    save_metrics_base,
+)
 
 if TYPE_CHECKING:
     from .exporter import ExporterHandle, start_exporter
@@ -54,6 +62,7 @@ __all__ = [
     "LiveTimings",
     "LogTailer",
     "MetricInfo",
+    "MetricsBase",
     "MetricsProjection",
     "ProjectionFollower",
     "RangeReport",
@@ -62,8 +71,11 @@ __all__ = [
     "Sample",
     "StepRow",
     "WorkTotals",
+    "compact_with_metrics",
     "fold_rows",
+    "load_metrics_base",
     "project_history",
+    "save_metrics_base",
     "start_embedded_telemetry",
     "start_exporter",
 ]

@@ -27,6 +27,7 @@ from rolloutlog.eventstore import EventStore, StoreError
 from rolloutlog.eventstore.watch import AppendWatcher
 
 from ..domain.events import CODEC, CheckpointMarked, RolloutEvent
+from ..domain.state import RunState
 from ..rollout_index import read_indexed
 from .projection import (
     METRICS,
@@ -37,6 +38,7 @@ from .projection import (
     Sample,
     WorkTotals,
 )
+from .retention import load_metrics_base
 from .steps import StepPublisher, StepSink
 
 if TYPE_CHECKING:
@@ -125,7 +127,13 @@ class ProjectionFollower:
 
     Copies of the projection are kept at the newest ``keep_checkpoints`` checkpoint
     markers, so a restore (which always goes back to a checkpoint) costs a rollback to
-    the copy plus the events since, not a recomputation of the whole history.
+    the copy plus the events since, not a recomputation of the whole history. The copies
+    leave out the projection's domain state (copying it at every checkpoint would cost
+    the run's process seconds for a large buffer); a rollback rebuilds it with the
+    domain's replay (the nearest snapshot, then the events since), as a restore does.
+
+    The first :meth:`sync` of a compacted run starts from its metrics base (see
+    :mod:`rolloutlog.controller.metrics.retention`), and so does a recomputation.
     """
 
     def __init__(self, keep_checkpoints: int = 8) -> None:
@@ -137,6 +145,9 @@ class ProjectionFollower:
         self.projection = MetricsProjection()
         self.projection.work = self.work
         self._copies: deque[MetricsProjection] = deque(maxlen=keep_checkpoints)
+        #: Whether the projection was started (from the metrics base of a compacted
+        #: run, see :meth:`sync`).
+        self._started = False
         #: Times the projection rolled back to a checkpoint copy / started over.
         self.rollbacks = 0
         self.recomputes = 0
@@ -145,7 +156,7 @@ class ProjectionFollower:
         """Fold one event of the projection's own branch (hold :attr:`lock`)."""
         self.projection.apply(offset, meta, event)
         if isinstance(event, CheckpointMarked) and self._copies.maxlen:
-            self._copies.append(self.projection.copy())
+            self._copies.append(self.projection.copy(state=False))
 
     def reset(self) -> None:
         """Start over from nothing (after a failed fold; hold :attr:`lock`)."""
@@ -153,7 +164,39 @@ class ProjectionFollower:
         self.projection = MetricsProjection()
         self.projection.work = self.work
         self._copies.clear()
+        self._started = False
         self.recomputes += 1
+
+    def _start(self, store: EventStore, run_id: str) -> None:
+        """Before the first event: start from the run's metrics base if it was
+        compacted (the events before it are gone); hold :attr:`lock`."""
+        self._started = True
+        base = load_metrics_base(store, run_id)
+        if base is None:
+            return
+        projection, work = base.start()
+        projection.work = work
+        self.projection, self.work = projection, work
+
+    @staticmethod
+    def _restart(store: EventStore, run_id: str) -> MetricsProjection:
+        """A projection at the start of the run's history: empty, or the metrics base of
+        a compacted run (its work totals are not used: work is never rolled back)."""
+        base = load_metrics_base(store, run_id)
+        return MetricsProjection() if base is None else base.start()[0]
+
+    @staticmethod
+    def _domain_state_at(store: EventStore, run_id: str, offset: int) -> RunState | None:
+        """The domain state of the history leading to ``offset``, rebuilt by the domain's
+        replay; None (logged) when it cannot be."""
+        from ..rollout_controller import replay
+
+        try:
+            state = replay(store, run_id, offset).state
+        except Exception:
+            log.exception("metrics: rebuilding the domain state at offset %s failed", offset)
+            return None
+        return state if state.last_seq == offset else None
 
     def _switch_branch(self, store: EventStore, run_id: str, seq: int) -> None:
         """Make the projection the history that leads to the event at ``seq`` (the first
@@ -167,18 +210,23 @@ class ProjectionFollower:
         prefix = [(first, min(last, seq - 1)) for first, last in segments if first < seq]
         if self.projection.applied_segments == prefix:
             return  # a takeover where the run stood: the same branch goes on
+        base: MetricsProjection | None = None
         for saved in reversed(self._copies):
             if saved.consistent_with(prefix):
+                state = self._domain_state_at(store, run_id, saved.offset)
+                if state is None:
+                    break
                 log.info(
                     "metrics: the history changed (restore); rolling back to offset %s",
                     saved.offset,
                 )
-                base = saved.copy()
+                base = saved.copy(state=False)
+                base.state = state
                 self.rollbacks += 1
                 break
-        else:
+        if base is None:
             log.info("metrics: the history changed (restore); recomputing from the start")
-            base = MetricsProjection()
+            base = self._restart(store, run_id)
             self.recomputes += 1
         for first, last in prefix:
             if last <= base.offset:
@@ -197,6 +245,8 @@ class ProjectionFollower:
         if to_seq is not None:
             last = min(last, to_seq)
         with self.lock:
+            if not self._started and self.projection.offset == 0:
+                self._start(store, run_id)
             start = self.projection.offset + 1
         folded = 0
         if start > last:

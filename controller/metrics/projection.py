@@ -8,24 +8,34 @@ row's metadata (:class:`EventMeta`: ``recorded_at`` UTC, the train step and weig
 version at that moment, the epoch) and the decoded event. So a projection computed live
 and the same projection recomputed from the log are equal, value for value.
 
-The fold keeps what it needs and nothing more: counters, a slim mirror of the live
-groups (phase, siblings in flight, token counts and rewards of finished siblings — the
-tokens a group commits are only known by adding up its siblings), and two time series:
-one row per trained step and one per restore. Timing metrics that the log cannot know
-(append latency, checkpoint and restore durations) are not part of the fold; they live
-in :class:`rolloutlog.controller.metrics.live.LiveTimings`.
+The group lifecycle is not re-implemented here: the projection holds a domain
+:class:`~rolloutlog.controller.domain.state.RunState` and applies every event to it with
+the domain's own ``evolve`` (the function the controller folds with), so the group
+gauges, the tokens a group commits (the sum over its finished siblings) and the rewards
+of a trained batch are read from the same state the controller has. On top of that the
+fold keeps what the log's metrics need and the domain does not: counters (work-done and
+history), and two time series, one row per trained step and one per restore. Timing
+metrics that the log cannot know (append latency, checkpoint and restore durations) are
+not part of the fold; they live in :class:`rolloutlog.controller.metrics.live.LiveTimings`.
+
+A compacted run (``rolloutlog compact``) no longer holds the events before its base:
+the fold then resumes from the *metrics base* saved with the compaction (see
+:mod:`rolloutlog.controller.metrics.retention`), so counters, series and wall-clock times
+are those of the whole run.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
 from rolloutlog.eventstore import EventStore
 
 from ..config import TelemetryConfig
+from ..domain.decider import evolve
 from ..domain.events import (
     CODEC,
     BatchSelected,
@@ -53,7 +63,10 @@ from ..domain.events import (
     StepTrained,
     WeightsPublished,
 )
+from ..domain.state import Phase, RunState, SiblingStatus
 from ..rollout_index import IndexedEvent
+
+log = logging.getLogger(__name__)
 
 MetricKind = Literal["counter", "gauge", "histogram"]
 
@@ -453,18 +466,6 @@ class RestoreRow:
         }
 
 
-@dataclass(slots=True)
-class _Group:
-    """What the projection remembers of a live group."""
-
-    phase: Literal["spare", "admitted", "ready", "selected"]
-    in_flight: set[int] = field(default_factory=set)
-    done: dict[int, tuple[int, float]] = field(default_factory=dict)  # sibling -> tokens, reward
-
-    def clone(self) -> _Group:
-        return _Group(self.phase, set(self.in_flight), dict(self.done))
-
-
 class WorkTotals:
     """Work done by a run: the counters summed over **every stored event** of the run,
     all epochs, branches a restore abandoned included.
@@ -504,6 +505,18 @@ class WorkTotals:
         other.staleness = self.staleness.copy()
         return other
 
+    def to_snapshot(self) -> dict[str, Any]:
+        """A JSON-serialisable dict of the totals (:meth:`from_snapshot` reads it back)."""
+        return {"offset": self.offset, **_counters_to_snapshot(self)}
+
+    @classmethod
+    def from_snapshot(cls, data: Mapping[str, Any]) -> WorkTotals:
+        """The totals :meth:`to_snapshot` described."""
+        out = cls()
+        out.offset = int(data["offset"])
+        _counters_from_snapshot(out, data)
+        return out
+
 
 #: The counter containers shared by :class:`MetricsProjection` and :class:`WorkTotals`.
 _COUNTER_FIELDS = (
@@ -520,6 +533,37 @@ _COUNTER_FIELDS = (
 )
 
 
+def _counters_to_snapshot(src: MetricsProjection | WorkTotals) -> dict[str, Any]:
+    """The counter containers and the staleness histogram of ``src``, JSON-friendly
+    (keys as ``[key, value]`` pairs: some keys are tuples or integers)."""
+    out: dict[str, Any] = {
+        name: [[list(k) if isinstance(k, tuple) else k, v] for k, v in getattr(src, name).items()]
+        for name in _COUNTER_FIELDS
+    }
+    h = src.staleness
+    out["staleness"] = {
+        "buckets": list(h.buckets),
+        "counts": list(h.counts),
+        "total": h.total,
+        "count": h.count,
+        "min": h.min,
+        "max": h.max,
+    }
+    return out
+
+
+def _counters_from_snapshot(dst: MetricsProjection | WorkTotals, data: Mapping[str, Any]) -> None:
+    """Set the counter containers and the histogram of ``dst`` from
+    :func:`_counters_to_snapshot`'s output."""
+    for name in _COUNTER_FIELDS:
+        setattr(dst, name, {tuple(k) if isinstance(k, list) else k: int(v) for k, v in data[name]})
+    h = data["staleness"]
+    hist = Histogram(h["buckets"])
+    hist.counts = [int(n) for n in h["counts"]]
+    hist.total, hist.count, hist.min, hist.max = h["total"], h["count"], h["min"], h["max"]
+    dst.staleness = hist
+
+
 class MetricsProjection:
     """The metrics fold: :meth:`apply` one event after another, read :meth:`families`,
     :meth:`values`, :attr:`steps` and :attr:`restores`.
@@ -527,6 +571,18 @@ class MetricsProjection:
     Events must come in offset order; the offsets applied are remembered as ranges
     (:attr:`applied_segments`) so a follower can tell whether the projection is still a
     prefix of the log's current history (see :meth:`consistent_with`).
+
+    :attr:`state` is the domain state of the history folded so far, evolved with the
+    domain's ``evolve``: the group gauges and the per-group sums are read from it. A fold
+    that starts in the middle of a history (a compacted run) starts from the domain
+    snapshot there (:meth:`from_domain_state`, or the metrics base of
+    :mod:`rolloutlog.controller.metrics.retention`). If ``evolve`` refuses an event (only
+    possible for a log the controller did not write: hand-built events, a range without
+    its beginning), the projection does not stop: the event's counters and series are
+    still counted (they come from the event itself), the refusal is counted in
+    :attr:`domain_errors` and logged (the first one as a warning), the group the event
+    names takes the phase the event states (``_REFUSED_PHASE``; nothing else of the
+    state changes), and the fold goes on: the group gauges may be off from then on.
     """
 
     def __init__(self, max_engine_labels: int | None = None) -> None:
@@ -562,12 +618,39 @@ class MetricsProjection:
         self.last_checkpoint: tuple[int, datetime] | None = None
         self.steps: list[StepRow] = []
         self.restores: list[RestoreRow] = []
-        self._groups: dict[int, _Group] = {}
-        self._batches: dict[int, tuple[list[int], int]] = {}  # step -> groups, shortfall
-        self._step_staleness: dict[int, list[int]] = {}
+        #: The domain state at :attr:`offset` (None only in a copy taken without it,
+        #: see :meth:`copy`; such a copy cannot fold until it gets one).
+        self.state: RunState | None = RunState()
+        #: Events the domain's ``evolve`` refused (see the class docstring).
+        self.domain_errors = 0
+        self.last_domain_error: str | None = None
         self._checkpoint_times: dict[int, datetime] = {}
         #: Where the work done is summed as well (set by a follower; never copied).
         self.work: WorkTotals | None = None
+
+    @classmethod
+    def from_domain_state(
+        cls, state: RunState, applied_segments: Sequence[tuple[int, int]]
+    ) -> MetricsProjection:
+        """A projection that starts at ``state`` (a domain snapshot at
+        ``state.last_seq``) without knowing what came before it: the group gauges and
+        the train step, weight versions and epoch are right; counters, series and
+        ``started_at`` (the origin of ``wall_seconds``) start with the next event.
+
+        The fallback for a compacted run whose metrics base is missing;
+        ``applied_segments``: the history up to ``state.last_seq``."""
+        proj = cls()
+        proj.state = state
+        proj.run_id = state.run_id
+        proj.offset = state.last_seq
+        proj.applied_segments = [(a, min(b, state.last_seq)) for a, b in applied_segments]
+        proj.epoch = state.epoch
+        if state.config is not None:
+            proj.staleness_bound = state.config.staleness_bound
+        proj.train_step = state.train_step
+        proj.weight_version = state.weight_version
+        proj.published_version = state.published_version
+        return proj
 
     # ------------------------------------------------------------------ folding
     def _add(self, field_name: str, key: Any, n: int = 1, *, work: bool = True) -> None:
@@ -580,9 +663,16 @@ class MetricsProjection:
             theirs[key] = theirs.get(key, 0) + n
 
     def apply(self, offset: int, meta: EventMeta, event: RolloutEvent) -> None:
-        """Fold the event stored at ``offset`` (offsets must increase)."""
+        """Fold the event stored at ``offset`` (offsets must increase).
+
+        The metric handlers read the domain state *before* the event (e.g. the rewards
+        of a batch, whose groups leave the state when it is trained), then the event is
+        applied to the state with the domain's ``evolve``.
+        """
         if offset <= self.offset:
             raise ValueError(f"event at offset {offset} applied after offset {self.offset}")
+        if self.state is None:
+            raise RuntimeError("this projection copy has no domain state: it cannot fold")
         if self.applied_segments and self.applied_segments[-1][1] + 1 == offset:
             self.applied_segments[-1] = (self.applied_segments[-1][0], offset)
         else:
@@ -598,6 +688,26 @@ class MetricsProjection:
         handler = _HANDLERS.get(type(event))
         if handler is not None:
             handler(self, offset, meta, event)
+        self._evolve(self.state, offset, event)
+
+    def _evolve(self, state: RunState, offset: int, event: RolloutEvent) -> None:
+        """Apply ``event`` to the domain state; a refusal is counted, never raised."""
+        try:
+            evolve(state, event, offset)
+        except Exception as exc:  # a metrics reader never stops on the log it reads
+            state.last_seq = max(state.last_seq, offset)
+            _follow_refused(state, event)
+            self.domain_errors += 1
+            self.last_domain_error = f"offset {offset} ({event.event_type}): {exc}"
+            level = logging.WARNING if self.domain_errors == 1 else logging.DEBUG
+            log.log(
+                level,
+                "metrics: the domain refused the event at offset %s (%s): %s; the group "
+                "gauges may be off from here (further refusals are logged at debug level)",
+                offset,
+                event.event_type,
+                exc,
+            )
 
     def apply_row(self, row: IndexedEvent, event: RolloutEvent | None = None) -> None:
         """Fold a stored row (decoded here unless ``event`` is given)."""
@@ -606,32 +716,111 @@ class MetricsProjection:
         assert event is not None
         self.apply(row.seq, EventMeta.of_row(row), event)
 
-    def copy(self) -> MetricsProjection:
-        """An independent copy (rows are immutable and shared)."""
+    def copy(self, *, state: bool = True) -> MetricsProjection:
+        """An independent copy (rows are immutable and shared).
+
+        ``state=False``: without the domain state (:attr:`state` is None): cheap, for
+        copies that are only read (a range's base) or get a state rebuilt by the domain's
+        replay before folding again (a follower's checkpoint copies: copying a state of
+        100k groups at every checkpoint would cost seconds in the run's process).
+        """
         other = MetricsProjection.__new__(MetricsProjection)
         for name in _SCALAR_FIELDS:
             setattr(other, name, getattr(self, name))
         other.applied_segments = list(self.applied_segments)
-        other.counts = dict(self.counts)
-        other.failed = dict(self.failed)
-        other.evicted = dict(self.evicted)
-        other.dropped = dict(self.dropped)
-        other.recovery_groups = dict(self.recovery_groups)
-        other.recovery_siblings = dict(self.recovery_siblings)
-        other.events_by_type = dict(self.events_by_type)
-        other.engine_completed = dict(self.engine_completed)
-        other.engine_lost = dict(self.engine_lost)
+        for name in _COUNTER_FIELDS:
+            setattr(other, name, dict(getattr(self, name)))
         other._engine_labels = set(self._engine_labels)
         other.staleness = self.staleness.copy()
-        other.staleness_values = dict(self.staleness_values)
         other.steps = list(self.steps)
         other.restores = list(self.restores)
-        other._groups = {gid: g.clone() for gid, g in self._groups.items()}
-        other._batches = {k: (list(g), n) for k, (g, n) in self._batches.items()}
-        other._step_staleness = {k: list(v) for k, v in self._step_staleness.items()}
+        other.state = self.state.copy() if state and self.state is not None else None
         other._checkpoint_times = dict(self._checkpoint_times)
         other.work = None
         return other
+
+    def to_snapshot(self) -> dict[str, Any]:
+        """A JSON-serialisable dict of everything but the domain state (which the
+        domain's own snapshot at :attr:`offset` holds): :meth:`from_snapshot` and that
+        state give this projection back, value for value."""
+        meta = self.last_meta
+        return {
+            "run_id": self.run_id,
+            "offset": self.offset,
+            "epoch": self.epoch,
+            "started_at": _iso(self.started_at),
+            "last_meta": (
+                None
+                if meta is None
+                else [
+                    meta.recorded_at.isoformat(),
+                    meta.train_step,
+                    meta.weight_version,
+                    meta.epoch,
+                ]
+            ),
+            "staleness_bound": self.staleness_bound,
+            "train_step": self.train_step,
+            "weight_version": self.weight_version,
+            "published_version": self.published_version,
+            "last_reward_mean": self.last_reward_mean,
+            "last_checkpoint": (
+                None
+                if self.last_checkpoint is None
+                else [self.last_checkpoint[0], self.last_checkpoint[1].isoformat()]
+            ),
+            "max_engine_labels": self.max_engine_labels,
+            "engine_labels": sorted(self._engine_labels),
+            "applied_segments": [list(s) for s in self.applied_segments],
+            "domain_errors": self.domain_errors,
+            "last_domain_error": self.last_domain_error,
+            "checkpoint_times": [[k, v.isoformat()] for k, v in self._checkpoint_times.items()],
+            "steps": [r.to_dict() for r in self.steps],
+            "restores": [r.to_dict() for r in self.restores],
+            **_counters_to_snapshot(self),
+        }
+
+    @classmethod
+    def from_snapshot(cls, data: Mapping[str, Any], state: RunState) -> MetricsProjection:
+        """The projection :meth:`to_snapshot` described, with the domain ``state`` at its
+        offset (raises ValueError when the state is at another offset)."""
+        if state.last_seq != data["offset"]:
+            raise ValueError(
+                f"metrics snapshot at offset {data['offset']} given a domain state at "
+                f"offset {state.last_seq}"
+            )
+        proj = cls(max_engine_labels=int(data["max_engine_labels"]))
+        proj.run_id = data["run_id"]
+        proj.offset = int(data["offset"])
+        proj.epoch = int(data["epoch"])
+        proj.started_at = _parse_iso(data["started_at"])
+        meta = data["last_meta"]
+        proj.last_meta = (
+            None if meta is None else EventMeta(datetime.fromisoformat(meta[0]), *meta[1:])
+        )
+        proj.staleness_bound = data["staleness_bound"]
+        proj.train_step = data["train_step"]
+        proj.weight_version = data["weight_version"]
+        proj.published_version = data["published_version"]
+        proj.last_reward_mean = data["last_reward_mean"]
+        ckpt = data["last_checkpoint"]
+        proj.last_checkpoint = None if ckpt is None else (ckpt[0], datetime.fromisoformat(ckpt[1]))
+        proj._engine_labels = set(data["engine_labels"])
+        proj.applied_segments = [(a, b) for a, b in data["applied_segments"]]
+        proj.domain_errors = data["domain_errors"]
+        proj.last_domain_error = data["last_domain_error"]
+        proj._checkpoint_times = {
+            int(k): datetime.fromisoformat(v) for k, v in data["checkpoint_times"]
+        }
+        proj.steps = [
+            StepRow(**{**r, "time": datetime.fromisoformat(r["time"])}) for r in data["steps"]
+        ]
+        proj.restores = [
+            RestoreRow(**{**r, "time": datetime.fromisoformat(r["time"])}) for r in data["restores"]
+        ]
+        _counters_from_snapshot(proj, data)
+        proj.state = state
+        return proj
 
     def consistent_with(self, segments: Sequence[tuple[int, int]]) -> bool:
         """Whether what was applied is exactly the history ``segments`` up to :attr:`offset`.
@@ -655,6 +844,8 @@ class MetricsProjection:
         return OTHER_ENGINE
 
     # ------------------------------------------------------------------ handlers
+    # Each runs before the event is applied to the domain state (see :meth:`apply`); the
+    # group lifecycle itself is the domain's ``evolve``, never re-implemented here.
     def _engine_lost(self, _o: int, _m: EventMeta, ev: EngineLost) -> None:
         self._add("engine_lost", self._engine_label(ev.engine_id))
 
@@ -662,27 +853,17 @@ class MetricsProjection:
         self.run_id = ev.run_id
         self.staleness_bound = int(ev.rollout["staleness_bound"])
 
-    def _group_admitted(self, _o: int, _m: EventMeta, ev: GroupAdmitted) -> None:
-        self._groups[ev.group_id] = _Group("admitted")
-        self._add("counts", "prompts_pulled")
-
-    def _spare_pulled(self, _o: int, _m: EventMeta, ev: SparePulled) -> None:
-        self._groups[ev.group_id] = _Group("spare")
+    def _pulled(self, _o: int, _m: EventMeta, _ev: GroupAdmitted | SparePulled) -> None:
         self._add("counts", "prompts_pulled")
 
     def _spare_assigned(self, _o: int, _m: EventMeta, ev: SpareAssigned) -> None:
-        self._group(ev.group_id).phase = "admitted"
         if ev.replaces_group_id is not None:
             self._add("counts", "replacements")
 
-    def _dispatched(self, _o: int, _m: EventMeta, ev: SiblingDispatched) -> None:
-        self._group(ev.group_id).in_flight.add(ev.sibling)
+    def _dispatched(self, _o: int, _m: EventMeta, _ev: SiblingDispatched) -> None:
         self._add("counts", "siblings_dispatched")
 
     def _completed(self, _o: int, _m: EventMeta, ev: SiblingCompleted) -> None:
-        group = self._group(ev.group_id)
-        group.in_flight.discard(ev.sibling)
-        group.done[ev.sibling] = (ev.completion_tokens, ev.reward)
         # A salvaged completion was generated once, in the branch the restore abandoned:
         # the history counts it again (it is part of the new epoch), the work done not.
         work = ev.salvaged_from is None
@@ -692,54 +873,66 @@ class MetricsProjection:
             self._add("engine_completed", self._engine_label(ev.engine_id), work=work)
 
     def _failed(self, _o: int, _m: EventMeta, ev: SiblingFailed) -> None:
-        self._group(ev.group_id).in_flight.discard(ev.sibling)
         self._add("failed", "true" if ev.retryable else "false")
 
-    def _aborted(self, _o: int, _m: EventMeta, ev: SiblingAborted) -> None:
-        self._group(ev.group_id).in_flight.discard(ev.sibling)
+    def _aborted(self, _o: int, _m: EventMeta, _ev: SiblingAborted) -> None:
         self._add("counts", "siblings_aborted")
 
     def _committed(self, _o: int, _m: EventMeta, ev: GroupCommitted) -> None:
-        group = self._group(ev.group_id)
-        group.phase = "ready"
+        # The tokens a group commits are those of its finished siblings (all of them,
+        # once it commits); a group the state does not hold commits none.
+        assert self.state is not None
+        group = self.state.groups.get(ev.group_id)
+        tokens = (
+            sum(s.completion_tokens for s in group.siblings if s.status is SiblingStatus.DONE)
+            if group is not None
+            else 0
+        )
         self._add("counts", "groups_committed")
-        self._add("counts", "tokens_committed", sum(tokens for tokens, _ in group.done.values()))
+        self._add("counts", "tokens_committed", tokens)
 
     def _dropped(self, _o: int, _m: EventMeta, ev: PromptDropped) -> None:
-        self._groups.pop(ev.group_id, None)
         self._add("dropped", ev.outcome)
 
     def _borrowed(self, _o: int, _m: EventMeta, _ev: GroupBorrowed) -> None:
         self._add("counts", "borrows")
 
     def _evicted(self, _o: int, _m: EventMeta, ev: GroupEvicted) -> None:
-        self._groups.pop(ev.group_id, None)
         bound = self.staleness_bound
         reason = "stale" if bound is not None and ev.staleness > bound else "other"
         key = (reason, "true" if ev.recovered else "false")
         self._add("evicted", key)
 
     def _selected(self, _o: int, _m: EventMeta, ev: GroupSelected) -> None:
-        self._group(ev.group_id).phase = "selected"
         self._add("counts", "groups_selected")
         self._add("staleness_values", ev.staleness)
         self.staleness.observe(ev.staleness)
         if self.work is not None:
             self.work.staleness.observe(ev.staleness)
-        self._step_staleness.setdefault(ev.train_step, []).append(ev.staleness)
 
     def _batch_selected(self, _o: int, _m: EventMeta, ev: BatchSelected) -> None:
-        self._batches[ev.train_step] = (list(ev.group_ids), ev.shortfall)
         self._add("counts", "shortfall", ev.shortfall)
 
     def _step_trained(self, offset: int, meta: EventMeta, ev: StepTrained) -> None:
-        gids, shortfall = self._batches.pop(ev.train_step, ([], 0))
+        # The batch, its groups' rewards (finished siblings in sibling order) and their
+        # selection staleness, from the domain state before the groups leave it.
+        state = self.state
+        assert state is not None
+        gids = list(state.batches.get(ev.train_step, ()))
+        shortfall = state.batch_shortfall.get(ev.train_step, 0)
         rewards: list[float] = []
+        staleness: list[int] = []
         for gid in gids:
-            group = self._groups.pop(gid, None)
-            if group is not None:
-                rewards.extend(group.done[s][1] for s in sorted(group.done))
-        staleness = self._step_staleness.pop(ev.train_step, [])
+            group = state.groups.get(gid)
+            if group is None:
+                continue
+            rewards.extend(
+                s.reward
+                for s in group.siblings
+                if s.status is SiblingStatus.DONE and s.reward is not None
+            )
+            if group.selected_staleness is not None:
+                staleness.append(group.selected_staleness)
         self._add("counts", "groups_trained", len(gids))
         self.train_step = ev.train_step + 1
         self.weight_version = ev.weight_version
@@ -775,18 +968,13 @@ class MetricsProjection:
         self._checkpoint_times[offset] = meta.recorded_at
 
     def _run_restored(self, offset: int, meta: EventMeta, ev: RunRestored) -> None:
+        # What the restore does to the groups is evolve_run_restored's business.
         self._add("counts", "restores")
         self._add("recovery_groups", "complete", ev.complete_groups_restored)
         self._add("recovery_groups", "unfinished", ev.unfinished_groups_found)
         self._add("recovery_siblings", "reused", ev.siblings_reused)
         self._add("recovery_siblings", "rerun", ev.siblings_rerun)
         self._add("recovery_siblings", "salvaged", ev.siblings_salvaged)
-        by_group = ev.granularity == "group"
-        for group in self._groups.values():
-            if group.phase == "admitted":
-                group.in_flight.clear()
-                if by_group:
-                    group.done.clear()
         ckpt_time = self._checkpoint_times.get(ev.from_offset)
         self.restores.append(
             RestoreRow(
@@ -812,37 +1000,29 @@ class MetricsProjection:
 
     def _run_resumed(self, _o: int, _m: EventMeta, _ev: RunResumed) -> None:
         self._add("counts", "resumes")
-        for group in self._groups.values():
-            if group.phase == "admitted":
-                group.in_flight.clear()
 
     def _noop(self, _o: int, _m: EventMeta, _ev: RolloutEvent) -> None:
         return None
 
     # ------------------------------------------------------------------ helpers
-    def _group(self, group_id: int) -> _Group:
-        group = self._groups.get(group_id)
-        if group is None:
-            # The log names a group the projection never saw: only possible for a range
-            # that does not start at the beginning of the history. Track it from here.
-            group = self._groups[group_id] = _Group("admitted")
-        return group
-
     def _wall(self, meta: EventMeta) -> float:
         assert self.started_at is not None
         return (meta.recorded_at - self.started_at).total_seconds()
 
     # ------------------------------------------------------------------ reading
     def gauges(self) -> dict[str, float | None]:
-        """The gauge values now."""
-        in_flight = sum(len(g.in_flight) for g in self._groups.values())
-        phases = [g.phase for g in self._groups.values()]
+        """The gauge values now (the group gauges read from the domain state)."""
+        in_flight = 0
+        phases: dict[Phase, int] = {}
+        for group in self.state.groups.values() if self.state is not None else ():
+            phases[group.phase] = phases.get(group.phase, 0) + 1
+            in_flight += sum(1 for s in group.siblings if s.status is SiblingStatus.IN_FLIGHT)
         meta = self.last_meta
         return {
             "rollout_siblings_in_flight": in_flight,
-            "rollout_groups_generating": phases.count("admitted"),
-            "rollout_buffer_groups": phases.count("ready"),
-            "rollout_spare_groups": phases.count("spare"),
+            "rollout_groups_generating": phases.get(Phase.ADMITTED, 0),
+            "rollout_buffer_groups": phases.get(Phase.READY, 0),
+            "rollout_spare_groups": phases.get(Phase.SPARE, 0),
             "rollout_train_step": self.train_step,
             "rollout_weight_version": self.weight_version,
             "rollout_published_weight_version": self.published_version,
@@ -1062,15 +1242,61 @@ _SCALAR_FIELDS = (
     "last_reward_mean",
     "last_checkpoint",
     "max_engine_labels",
+    "domain_errors",
+    "last_domain_error",
 )
+
+
+#: For an event the domain refused: the phase the group it names is in afterwards, as
+#: the event says (None: the group leaves the state). Only this, nothing about siblings,
+#: counters or cursors: enough for the group gauges to follow what the log states.
+_REFUSED_PHASE: dict[type, Phase | None] = {
+    SpareAssigned: Phase.ADMITTED,
+    GroupCommitted: Phase.READY,
+    GroupSelected: Phase.SELECTED,
+    PromptDropped: None,
+    GroupEvicted: None,
+}
+
+
+def _follow_refused(state: RunState, event: RolloutEvent) -> None:
+    """After ``evolve`` refused ``event`` (a log the controller did not write): move the
+    group it names to the phase it states, if the state holds that group. A fallback,
+    not a second lifecycle: a log the controller wrote never gets here."""
+    if type(event) not in _REFUSED_PHASE:
+        return
+    gid = getattr(event, "group_id", None)
+    group = state.groups.get(gid) if isinstance(gid, int) else None
+    if group is None:
+        return
+    phase = _REFUSED_PHASE[type(event)]
+    if phase is None:
+        del state.groups[group.group_id]
+    else:
+        group.phase = phase
+    if phase is not Phase.SPARE and group.group_id in state.spares:
+        state.spares.remove(group.group_id)
+    if phase is Phase.READY:
+        state.ready[group.group_id] = None
+    else:
+        state.ready.pop(group.group_id, None)
+
+
+def _iso(ts: datetime | None) -> str | None:
+    return ts.isoformat() if ts is not None else None
+
+
+def _parse_iso(text: str | None) -> datetime | None:
+    return datetime.fromisoformat(text) if text is not None else None
+
 
 _Handler = Callable[[MetricsProjection, int, EventMeta, Any], None]
 
 _HANDLERS: dict[type, _Handler] = {
     RunStarted: MetricsProjection._run_started,
     StepAdmitted: MetricsProjection._noop,
-    GroupAdmitted: MetricsProjection._group_admitted,
-    SparePulled: MetricsProjection._spare_pulled,
+    GroupAdmitted: MetricsProjection._pulled,
+    SparePulled: MetricsProjection._pulled,
     SpareAssigned: MetricsProjection._spare_assigned,
     SiblingDispatched: MetricsProjection._dispatched,
     SiblingCompleted: MetricsProjection._completed,
@@ -1098,7 +1324,10 @@ def fold_rows(
     projection: MetricsProjection | None = None,
 ) -> MetricsProjection:
     """Fold decoded rows (as :func:`rolloutlog.controller.rollout_controller.iter_history` yields
-    them)."""
+    them) from the beginning of a history, or onto ``projection``. The rows of a compacted
+    run start after its base: fold them onto its metrics base
+    (:func:`~rolloutlog.controller.metrics.retention.load_metrics_base`), or use
+    :func:`project_history`."""
     proj = projection if projection is not None else MetricsProjection()
     for row, event in rows:
         proj.apply_row(row, event)
@@ -1145,18 +1374,30 @@ def project_history(
     ``from_seq``, the history counters and the series cover events ``from_seq..to_seq``
     of that history only. The work-done counters count every stored event in
     ``from_seq..to_seq``, all epochs (abandoned branches included).
+
+    A compacted run starts from its metrics base (the fold of the removed events, saved
+    by the compaction: see :mod:`rolloutlog.controller.metrics.retention`), so its values
+    equal those before the compaction. A range the base cannot serve (``to_seq`` before
+    the base, or ``from_seq`` in ``2..base``: the metrics just before it are gone) raises
+    :class:`~rolloutlog.eventstore.compaction.CompactedHistoryError`.
     """
     from ..rollout_controller import iter_history
     from .live import ProjectionFollower
+    from .retention import load_metrics_base
 
-    proj = MetricsProjection()
+    start = load_metrics_base(store, run_id)
+    if start is not None:
+        _check_range_after_base(run_id, start.seq, from_seq, to_seq)
+        proj = start.start()[0]
+    else:
+        proj = MetricsProjection()
     base: MetricsProjection | None = None
-    for row, event in iter_history(store, run_id, to_seq):
+    for row, event in iter_history(store, run_id, to_seq, from_seq=proj.offset + 1):
         if from_seq is not None and base is None and row.seq >= from_seq:
-            base = proj.copy()
+            base = proj.copy(state=False)
         proj.apply_row(row, event)
     if from_seq is not None and base is None:
-        base = proj.copy()  # the range holds no event of this history
+        base = proj.copy(state=False)  # the range holds no event of this history
     follower = ProjectionFollower()
     work_base: WorkTotals | None = None
     if from_seq is not None and from_seq > 1:
@@ -1169,3 +1410,22 @@ def project_history(
         follower.work,
         work_base,
     )
+
+
+def _check_range_after_base(
+    run_id: str, base_seq: int, from_seq: int | None, to_seq: int | None
+) -> None:
+    """Refuse a range of a run compacted at ``base_seq`` that needs removed events."""
+    from rolloutlog.eventstore.compaction import CompactedHistoryError
+
+    if to_seq is not None and to_seq < base_seq:
+        raise CompactedHistoryError(
+            f"run {run_id!r} was compacted up to its snapshot at offset {base_seq}: the "
+            f"metrics at offset {to_seq} are gone (ask for offsets >= {base_seq})"
+        )
+    if from_seq is not None and 1 < from_seq <= base_seq:
+        raise CompactedHistoryError(
+            f"run {run_id!r} was compacted up to its snapshot at offset {base_seq}: a range "
+            f"from offset {from_seq} needs the metrics before it, which are gone (start the "
+            f"range at 1 or at {base_seq + 1} or later)"
+        )

@@ -10,7 +10,6 @@ import click
 from rolloutlog.controller.rollout_index import TABLE as ROLLOUT_INDEX_TABLE
 from rolloutlog.eventstore import Snapshot, StoreError
 from rolloutlog.eventstore.compaction import CompactionPlan
-from rolloutlog.eventstore.compaction import compact as compact_run
 
 from .common import open_store, pick_run
 
@@ -99,13 +98,17 @@ def compact(
     snapshot still refers to. Removes the older events (history and abandoned ranges),
     the older snapshots and the payloads only they referred to. Restores and replays at
     offsets from the base on work as before; earlier ones fail naming the compaction.
+    The run's metrics are folded up to the base first and kept (the metrics base), so
+    ``rolloutlog metrics`` and ``serve-metrics`` show the same values afterwards.
     See docs/retention.md.
     """
+    from rolloutlog.controller.metrics.retention import compact_with_metrics
+
     store = open_store(_url(db), readonly=False)
     try:
         run = pick_run(store, run_id)
         try:
-            plan = compact_run(
+            plan = compact_with_metrics(
                 store,
                 run,
                 before,
