@@ -43,6 +43,7 @@ from .steps import StepPublisher, StepSink
 
 if TYPE_CHECKING:
     from ..rollout_controller import RecoveryReport, RolloutController
+    from ..rollout_runtime import RolloutRuntime
     from .exporter import ExporterHandle
 
 log = logging.getLogger(__name__)
@@ -317,7 +318,7 @@ class LiveMetrics:
         self.follower = ProjectionFollower(keep_checkpoints)
         self.timings = LiveTimings()
         self.controller: RolloutController | None = None
-        self.runtime: Any = None
+        self.runtime: RolloutRuntime | None = None
         self._tap: _ClockTap | None = None
         self._pending: dict[int, tuple[EventMeta | None, Pairs]] = {}
         self._pending_lock = threading.Lock()
@@ -371,7 +372,11 @@ class LiveMetrics:
             self._publishers = []
 
     def attach(
-        self, controller: RolloutController, runtime: Any = None, *, background: bool = False
+        self,
+        controller: RolloutController,
+        runtime: RolloutRuntime | None = None,
+        *,
+        background: bool = False,
     ) -> None:
         """Follow ``controller`` (and time ``runtime``'s checkpoints when given).
 
@@ -382,7 +387,7 @@ class LiveMetrics:
         self.controller = controller
         self.runtime = runtime
         self._append_seen = 0
-        self._checkpoint_seen = len(getattr(runtime, "checkpoint_seconds", ()))
+        self._checkpoint_seen = 0 if runtime is None else len(runtime.checkpoint_seconds)
         self._catching_up = True
         self._caught_up.clear()
         self._tap = _ClockTap(controller)
@@ -395,11 +400,11 @@ class LiveMetrics:
         else:
             self._catch_up(raise_errors=True)
 
-    def attach_runtime(self, runtime: Any) -> None:
+    def attach_runtime(self, runtime: RolloutRuntime) -> None:
         """Time ``runtime``'s checkpoints (its ``checkpoint_seconds``)."""
         with self.follower.lock:
             self.runtime = runtime
-            self._checkpoint_seen = len(getattr(runtime, "checkpoint_seconds", ()))
+            self._checkpoint_seen = len(runtime.checkpoint_seconds)
 
     def detach(self) -> None:
         """Stop following the controller (the projection keeps its values)."""
@@ -511,8 +516,8 @@ class LiveMetrics:
             for value in seconds[self._append_seen : n]:
                 self.timings.append.observe(value)
             self._append_seen = n
-        checkpoints = getattr(self.runtime, "checkpoint_seconds", None)
-        if checkpoints is not None:
+        if self.runtime is not None:
+            checkpoints = self.runtime.checkpoint_seconds
             if len(checkpoints) < self._checkpoint_seen:
                 self._checkpoint_seen = 0
             for value in checkpoints[self._checkpoint_seen :]:
@@ -742,7 +747,7 @@ class EmbeddedTelemetry:
 
 def start_embedded_telemetry(
     controller: RolloutController,
-    runtime: Any = None,
+    runtime: RolloutRuntime | None = None,
     *,
     port: int,
     recovery: RecoveryReport | None = None,
