@@ -466,7 +466,27 @@ class RestoreRow:
         }
 
 
-class WorkTotals:
+class _CounterContainers:
+    """The counter containers :class:`MetricsProjection` (one history) and
+    :class:`WorkTotals` (every stored event) both keep, zeroed (see ``_COUNTER_FIELDS``)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = dict.fromkeys(_PLAIN_COUNTERS.values(), 0)
+        self.failed: dict[str, int] = {"true": 0, "false": 0}
+        self.evicted: dict[tuple[str, str], int] = {
+            (r, c): 0 for r in ("stale", "other") for c in ("true", "false")
+        }
+        self.dropped: dict[str, int] = dict.fromkeys(DROP_OUTCOMES, 0)
+        self.recovery_groups: dict[str, int] = {"complete": 0, "unfinished": 0}
+        self.recovery_siblings: dict[str, int] = {"reused": 0, "rerun": 0, "salvaged": 0}
+        self.events_by_type: dict[str, int] = {}
+        self.engine_completed: dict[str, int] = {OTHER_ENGINE: 0}
+        self.engine_lost: dict[str, int] = {OTHER_ENGINE: 0}
+        self.staleness = Histogram(STALENESS_BUCKETS)
+        self.staleness_values: dict[int, int] = {}
+
+
+class WorkTotals(_CounterContainers):
     """Work done by a run: the counters summed over **every stored event** of the run,
     all epochs, branches a restore abandoned included.
 
@@ -481,20 +501,8 @@ class WorkTotals:
     """
 
     def __init__(self) -> None:
+        super().__init__()
         self.offset = 0  # the newest event counted
-        self.counts: dict[str, int] = dict.fromkeys(_PLAIN_COUNTERS.values(), 0)
-        self.failed: dict[str, int] = {"true": 0, "false": 0}
-        self.evicted: dict[tuple[str, str], int] = {
-            (r, c): 0 for r in ("stale", "other") for c in ("true", "false")
-        }
-        self.dropped: dict[str, int] = dict.fromkeys(DROP_OUTCOMES, 0)
-        self.recovery_groups: dict[str, int] = {"complete": 0, "unfinished": 0}
-        self.recovery_siblings: dict[str, int] = {"reused": 0, "rerun": 0, "salvaged": 0}
-        self.events_by_type: dict[str, int] = {}
-        self.engine_completed: dict[str, int] = {OTHER_ENGINE: 0}
-        self.engine_lost: dict[str, int] = {OTHER_ENGINE: 0}
-        self.staleness = Histogram(STALENESS_BUCKETS)
-        self.staleness_values: dict[int, int] = {}
 
     def copy(self) -> WorkTotals:
         """An independent copy."""
@@ -533,7 +541,7 @@ _COUNTER_FIELDS = (
 )
 
 
-def _counters_to_snapshot(src: MetricsProjection | WorkTotals) -> dict[str, Any]:
+def _counters_to_snapshot(src: _CounterContainers) -> dict[str, Any]:
     """The counter containers and the staleness histogram of ``src``, JSON-friendly
     (keys as ``[key, value]`` pairs: some keys are tuples or integers)."""
     out: dict[str, Any] = {
@@ -552,7 +560,7 @@ def _counters_to_snapshot(src: MetricsProjection | WorkTotals) -> dict[str, Any]
     return out
 
 
-def _counters_from_snapshot(dst: MetricsProjection | WorkTotals, data: Mapping[str, Any]) -> None:
+def _counters_from_snapshot(dst: _CounterContainers, data: Mapping[str, Any]) -> None:
     """Set the counter containers and the histogram of ``dst`` from
     :func:`_counters_to_snapshot`'s output."""
     for name in _COUNTER_FIELDS:
@@ -564,7 +572,7 @@ def _counters_from_snapshot(dst: MetricsProjection | WorkTotals, data: Mapping[s
     dst.staleness = hist
 
 
-class MetricsProjection:
+class MetricsProjection(_CounterContainers):
     """The metrics fold: :meth:`apply` one event after another, read :meth:`families`,
     :meth:`values`, :attr:`steps` and :attr:`restores`.
 
@@ -586,6 +594,7 @@ class MetricsProjection:
     """
 
     def __init__(self, max_engine_labels: int | None = None) -> None:
+        super().__init__()
         self.run_id: str | None = None
         #: Engines with their own label value (the rest count as ``other``).
         self.max_engine_labels = (
@@ -598,19 +607,6 @@ class MetricsProjection:
         self.started_at: datetime | None = None
         self.last_meta: EventMeta | None = None
         self.staleness_bound: int | None = None
-        self.counts: dict[str, int] = dict.fromkeys(_PLAIN_COUNTERS.values(), 0)
-        self.failed: dict[str, int] = {"true": 0, "false": 0}
-        self.evicted: dict[tuple[str, str], int] = {
-            (r, c): 0 for r in ("stale", "other") for c in ("true", "false")
-        }
-        self.dropped: dict[str, int] = dict.fromkeys(DROP_OUTCOMES, 0)
-        self.recovery_groups: dict[str, int] = {"complete": 0, "unfinished": 0}
-        self.recovery_siblings: dict[str, int] = {"reused": 0, "rerun": 0, "salvaged": 0}
-        self.events_by_type: dict[str, int] = {}
-        self.engine_completed: dict[str, int] = {OTHER_ENGINE: 0}
-        self.engine_lost: dict[str, int] = {OTHER_ENGINE: 0}
-        self.staleness = Histogram(STALENESS_BUCKETS)
-        self.staleness_values: dict[int, int] = {}
         self.train_step = 0
         self.weight_version = 0
         self.published_version = 0
