@@ -9,7 +9,7 @@ place, not in four near-copies that drift apart. Pure: no I/O.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,3 +30,7 @@ class Completion:
     payload_id: str
     finish_reason: str  # "stop" | "length"
     engine_id: str | None = None  # the engine that generated it, when known
+
+
+#: Its field names, in order: the fields ``SiblingCompleted`` records it with.
+COMPLETION_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Completion))

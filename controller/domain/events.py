@@ -13,6 +13,7 @@ from pydantic import Field
 
 from rolloutlog.eventstore import EventCodec, EventModel
 
+from .completion import COMPLETION_FIELDS as _COMPLETION_FIELDS
 from .completion import Completion
 
 CODEC = EventCodec()
@@ -159,35 +160,12 @@ class SiblingCompleted(RolloutEvent):
     @classmethod
     def of(cls, completion: Completion, salvaged_from: int | None = None) -> SiblingCompleted:
         """The event that records ``completion`` (``salvaged_from``: see the class)."""
-        c = completion
-        return cls(
-            group_id=c.group_id,
-            sibling=c.sibling,
-            attempt=c.attempt,
-            weight_version=c.weight_version,
-            prompt_tokens=c.prompt_tokens,
-            completion_tokens=c.completion_tokens,
-            reward=c.reward,
-            payload_id=c.payload_id,
-            finish_reason=c.finish_reason,
-            salvaged_from=salvaged_from,
-            engine_id=c.engine_id,
-        )
+        values = {name: getattr(completion, name) for name in _COMPLETION_FIELDS}
+        return cls(**values, salvaged_from=salvaged_from)
 
     def completion(self) -> Completion:
         """The completion this event records (``salvaged_from`` is the event's own)."""
-        return Completion(
-            group_id=self.group_id,
-            sibling=self.sibling,
-            attempt=self.attempt,
-            weight_version=self.weight_version,
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.completion_tokens,
-            reward=self.reward,
-            payload_id=self.payload_id,
-            finish_reason=self.finish_reason,
-            engine_id=self.engine_id,
-        )
+        return Completion(**{name: getattr(self, name) for name in _COMPLETION_FIELDS})
 
     def audit_keys(self) -> AuditKeys:
         return AuditKeys(group_id=self.group_id)
