@@ -444,6 +444,112 @@ def bench_sql_layer(path: Path, specs: Sequence[Spec], *, batch: int, layout: st
     return Measured.of(n, clock, 0, None, {"layout": layout})
 
 
+#: How many batches the deferred layout appends between two catch-ups.
+DEFERRED_CATCH_UP_BATCHES = 20
+
+
+def bench_sql_deferred(
+    path: Path,
+    specs: Sequence[Spec],
+    *,
+    batch: int,
+    catch_up_batches: int = DEFERRED_CATCH_UP_BATCHES,
+) -> Measured:
+    """The layout the performance issue measured: the index off the append path.
+
+    Each append writes the events (multi-row, as the store does) and ONE row of a
+    pending table holding the batch's index keys as a JSON array; every
+    ``catch_up_batches`` batches a catch-up transaction moves them into the indexed
+    ``rollout_index`` (``INSERT ... SELECT`` over ``json_each``, then ``DELETE``), in
+    SQLite's C code. ``append_*`` counts the appends alone; ``with_catch_up_eps``
+    counts the catch-ups too. SQLite has one writer at a time, so a catch-up holds off
+    the appends while it runs, wherever it is scheduled: the second rate is the
+    sustained one.
+    """
+    from rolloutlog.eventstore.bulk import MultiRowInsert
+
+    conn = sqlite3.connect(str(path), isolation_level=None)
+    try:
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute(f"PRAGMA synchronous = {DEFAULT_SQLITE_SYNCHRONOUS}")
+        conn.execute("CREATE TABLE runs (run_id TEXT PRIMARY KEY, last_seq INTEGER)")
+        conn.execute("INSERT INTO runs VALUES (?, 0)", (RUN_ID,))
+        for statement in _events_ddl():
+            conn.execute(statement)
+        conn.execute(
+            "CREATE TABLE rollout_index_pending (run_id TEXT NOT NULL, first_seq BIGINT NOT NULL,"
+            " last_seq BIGINT NOT NULL, keys TEXT NOT NULL, PRIMARY KEY (run_id, first_seq))"
+        )
+        dumps = json.JSONEncoder(separators=(",", ":")).encode
+        flat_events = [
+            v
+            for i, s in enumerate(specs)
+            for v in (RUN_ID, i + 1, 1, _TYPE_NAMES[s.completed], 1,
+                      s.recorded_at.isoformat(" ", "microseconds")[:26], dumps(payload_dict(s)))
+        ]  # fmt: skip
+        keys = [(i + 1, _TYPE_NAMES[s.completed], *_index_keys(s)) for i, s in enumerate(specs)]
+        events_bulk = MultiRowInsert("events", _COLS.split(", "))
+        columns = _INDEX_COLS.split(", ")[1:]
+        unpack = ", ".join(f"json_extract(j.value, '$[{i}]')" for i in range(len(columns)))
+        catch_up = (
+            f"INSERT INTO rollout_index ({_INDEX_COLS}) SELECT p.run_id, {unpack} "
+            "FROM rollout_index_pending p, json_each(p.keys) j WHERE p.run_id = ?"
+        )
+        catch_up_wall = catch_up_cpu = 0.0
+
+        def move_pending() -> None:
+            nonlocal catch_up_wall, catch_up_cpu
+            wall0, cpu0 = time.perf_counter(), time.process_time()
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute(catch_up, (RUN_ID,))
+            conn.execute("DELETE FROM rollout_index_pending WHERE run_id = ?", (RUN_ID,))
+            conn.execute("COMMIT")
+            catch_up_wall += time.perf_counter() - wall0
+            catch_up_cpu += time.process_time() - cpu0
+
+        n = len(specs)
+        with _Stopwatch() as clock:
+            for k, start in enumerate(range(0, n, batch)):
+                end = min(n, start + batch)
+                conn.execute("BEGIN IMMEDIATE")
+                conn.execute("UPDATE runs SET last_seq = ? WHERE run_id = ?", (end, RUN_ID))
+                for sql, params in events_bulk.chunks(
+                    flat_events[start * 7 : end * 7], end - start
+                ):
+                    conn.execute(sql, params)
+                conn.execute(
+                    "INSERT INTO rollout_index_pending VALUES (?, ?, ?, ?)",
+                    (RUN_ID, start + 1, end, dumps(keys[start:end])),
+                )
+                conn.execute("COMMIT")
+                if (k + 1) % catch_up_batches == 0 or end == n:
+                    move_pending()
+        stored = conn.execute("SELECT count(*) FROM events").fetchone()[0]
+        indexed = conn.execute("SELECT count(*) FROM rollout_index").fetchone()[0]
+        last = conn.execute(
+            f"SELECT {_INDEX_COLS} FROM rollout_index WHERE run_id = ? AND seq = ?", (RUN_ID, n)
+        ).fetchone()
+    finally:
+        conn.close()
+    _check("sql deferred", f"stored {stored}, indexed {indexed}, wrote {n}", stored == indexed == n)
+    _check("sql deferred", "the last index row differs", n == 0 or last == (RUN_ID, *keys[-1]))
+    total_wall, total_cpu = clock.wall, clock.cpu
+    clock.wall, clock.cpu = total_wall - catch_up_wall, total_cpu - catch_up_cpu
+    return Measured.of(
+        n,
+        clock,
+        0,
+        None,
+        {
+            "layout": "deferred",
+            "catch_up_batches": catch_up_batches,
+            "catch_up_seconds": round(catch_up_wall, 4),
+            "with_catch_up_eps": _eps(n, total_wall),
+            "with_catch_up_cpu_eps": _eps(n, total_cpu),
+        },
+    )
+
+
 # ---------------------------------------------------------------------------- eventsourcing
 def eventsourcing_version() -> str | None:
     """The installed eventsourcing version, or None when it is not installed."""
@@ -765,6 +871,7 @@ def run_store_benchmark(
         "sql_today": lambda p: bench_sql_layer(p, specs, batch=batch, layout="today"),
         "sql_now": lambda p: bench_sql_layer(p, specs, batch=batch, layout="now"),
         "sql_now_generic": lambda p: bench_sql_layer(p, specs, batch=batch, layout="generic"),
+        "sql_deferred_index": lambda p: bench_sql_deferred(p, specs, batch=batch),
         "rolloutlog_group_commit": lambda p: bench_group_commit(p, specs, batch=batch),
     }  # fmt: skip
     names = list(runners)
@@ -822,6 +929,11 @@ def _store_ratios(out: dict[str, dict[str, Any]], kind: str) -> dict[str, float 
         "append_generic_vs_eventsourcing": _ratio(generic, es_append),
         "append_sql_vs_today": _ratio(out["sql_now"][append], sql_today),
         "append_sql_generic_vs_today": _ratio(out["sql_now_generic"][append], sql_today),
+        # The issue's layout: the append path alone, then with its catch-ups (sustained).
+        "append_sql_deferred_index_vs_today": _ratio(out["sql_deferred_index"][append], sql_today),
+        "append_sql_deferred_index_with_catch_up_vs_today": _ratio(
+            out["sql_deferred_index"][f"with_catch_up{kind}_eps"], sql_today
+        ),
         "append_vs_raw": _ratio(rl[append], raw[append]),
         "append_vs_eventsourcing": _ratio(rl[append], es_append),
         "read_vs_eventsourcing": _ratio(rl[read], es_read),
