@@ -16,22 +16,7 @@ from typing import Any
 
 from rolloutlog.eventstore import EventStore
 
-from .domain import decide, evolve, find_violations
-from .domain.commands import (
-    AbortSibling,
-    AdmitStep,
-    Command,
-    CompleteSibling,
-    DispatchSiblings,
-    FailSibling,
-    MarkCheckpoint,
-    PublishWeights,
-    RecordEngineJoined,
-    RecordEngineLost,
-    RecordEngineRefit,
-    RecordTrainStep,
-    SelectBatch,
-)
+from .domain import commands, decide, evolve, find_violations
 from .domain.errors import DomainError
 from .domain.events import (
     CheckpointMarked,
@@ -339,37 +324,39 @@ def _violation(
 # ---------------------------------------------------------------- verify decisions
 
 
-def command_for(decision: Decision, state: RunState) -> Command | None:
+def command_for(decision: Decision, state: RunState) -> commands.Command | None:
     """The command that should reproduce ``decision`` (None: not re-decidable here)."""
     lead = decision.leader
     kind = lead.event_type
     if kind == "StepAdmitted":
-        return AdmitStep()
+        return commands.AdmitStep()
     if isinstance(lead, SiblingDispatched):
         sibs = tuple(e.sibling for e in decision.events if isinstance(e, SiblingDispatched))
-        return DispatchSiblings(lead.group_id, sibs, lead.weight_version)
+        return commands.DispatchSiblings(lead.group_id, sibs, lead.weight_version)
     if isinstance(lead, SiblingCompleted):
-        return CompleteSibling(lead.completion())
+        return commands.CompleteSibling(lead.completion())
     if isinstance(lead, EngineJoined):
-        return RecordEngineJoined(lead.engine_id, lead.address, lead.weight_version)
+        return commands.RecordEngineJoined(lead.engine_id, lead.address, lead.weight_version)
     if isinstance(lead, EngineLost):
-        return RecordEngineLost(lead.engine_id, lead.reason, tuple(lead.in_flight))
+        return commands.RecordEngineLost(lead.engine_id, lead.reason, tuple(lead.in_flight))
     if isinstance(lead, EngineRefit):
-        return RecordEngineRefit(lead.engine_id, lead.weight_version)
+        return commands.RecordEngineRefit(lead.engine_id, lead.weight_version)
     if isinstance(lead, SiblingFailed):
-        return FailSibling(lead.group_id, lead.sibling, lead.attempt, lead.retryable, lead.reason)
+        return commands.FailSibling(
+            lead.group_id, lead.sibling, lead.attempt, lead.retryable, lead.reason
+        )
     if isinstance(lead, SiblingAborted):
-        return AbortSibling(lead.group_id, lead.sibling, lead.attempt, lead.reason)
+        return commands.AbortSibling(lead.group_id, lead.sibling, lead.attempt, lead.reason)
     if isinstance(lead, GroupSelected):
-        return SelectBatch(lead.train_step)
+        return commands.SelectBatch(lead.train_step)
     if isinstance(lead, GroupEvicted):
-        return SelectBatch(state.train_step)
+        return commands.SelectBatch(state.train_step)
     if isinstance(lead, StepTrained):
-        return RecordTrainStep(lead.train_step, lead.weight_version)
+        return commands.RecordTrainStep(lead.train_step, lead.weight_version)
     if isinstance(lead, WeightsPublished):
-        return PublishWeights(lead.weight_version)
+        return commands.PublishWeights(lead.weight_version)
     if isinstance(lead, CheckpointMarked):
-        return MarkCheckpoint(lead.train_step)
+        return commands.MarkCheckpoint(lead.train_step)
     return None  # RunStarted / RunRestored / RunResumed carry inputs from outside
 
 

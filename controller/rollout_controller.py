@@ -516,25 +516,27 @@ class RolloutController:
 
     def flush(self) -> int:
         """Block until every executed command's events are durable; return that offset."""
-        try:
+        with self._delivering_after_flush():
             durable = self.committer.flush()
-        except StoreError as exc:
-            self._mark_failed(exc)
-            self._deliver_durable()
-            raise
-        self._deliver_durable()
         return durable
 
     async def aflush(self) -> int:
         """Await durability of every executed command's events."""
-        try:
+        with self._delivering_after_flush():
             durable = await self.committer.aflush()
+        return durable
+
+    @contextlib.contextmanager
+    def _delivering_after_flush(self) -> Iterator[None]:
+        """Around a flush: a store error fails the controller; either way, hand listeners
+        what became durable."""
+        try:
+            yield
         except StoreError as exc:
             self._mark_failed(exc)
             self._deliver_durable()
             raise
         self._deliver_durable()
-        return durable
 
     def checkpoint(self, train_step: int) -> int:
         """Mark a checkpoint after ``train_step`` trained steps; return its durable offset."""

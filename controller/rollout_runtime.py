@@ -17,7 +17,7 @@ import contextlib
 import logging
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -29,25 +29,13 @@ from .backends.base import (
     BackendAbortedError,
     BackendError,
     BackendUnavailableError,
-    GenerationBackend,
     GroupRequest,
     MalformedResultError,
     SamplingConfig,
-    SiblingResult,
     SiblingSpec,
     validate_results,
 )
-from .domain import (
-    AbortSibling,
-    AdmitStep,
-    CompleteSibling,
-    DispatchSiblings,
-    FailSibling,
-    MarkCheckpoint,
-    PublishWeights,
-    RecordTrainStep,
-    SelectBatch,
-)
+from .domain import commands
 from .domain.admission import admission_blocker
 from .domain.errors import (
     BatchNotReadyError,
@@ -64,6 +52,7 @@ log = logging.getLogger(__name__)
 if TYPE_CHECKING:  # torch is the [torch] extra; only annotations need it here
     import torch
 
+    from .backends.base import GenerationBackend, SiblingResult
     from .engine_membership import EngineMembershipRecorder
 
 
@@ -288,7 +277,7 @@ class RolloutRuntime:
             for index, sib in enumerate(group.siblings):
                 if sib.status is SiblingStatus.IN_FLIGHT:
                     self.controller.execute(
-                        AbortSibling(group.group_id, index, sib.attempt, reason)
+                        commands.AbortSibling(group.group_id, index, sib.attempt, reason)
                     )
                     self.stats.aborted += 1
 
@@ -320,7 +309,7 @@ class RolloutRuntime:
     def _admit(self) -> None:
         state = self.controller.state
         while admission_blocker(state) is None:
-            self.controller.execute(AdmitStep())
+            self.controller.execute(commands.AdmitStep())
 
     def _in_flight(self) -> int:
         return sum(len(f.siblings) for f in self._flights.values())
@@ -350,7 +339,7 @@ class RolloutRuntime:
                 continue
             version = self.backend.weight_version
             applied = self.controller.execute(
-                DispatchSiblings(group.group_id, tuple(pending), version)
+                commands.DispatchSiblings(group.group_id, tuple(pending), version)
             )
             specs = tuple(SiblingSpec(ev.sibling, ev.attempt) for _, ev in applied)  # type: ignore[attr-defined]
             request = GroupRequest(
@@ -429,7 +418,7 @@ class RolloutRuntime:
                 continue
             try:
                 self.controller.execute(
-                    CompleteSibling(
+                    commands.CompleteSibling(
                         res.completion(
                             prompt_tokens=len(request.prompt_token_ids),
                             reward=reward,
@@ -476,33 +465,20 @@ class RolloutRuntime:
         """
         cap = self.generation.max_backend_aborts_per_sibling
         recorded = 0
-        for spec in request.siblings:
-            if not self._still_in_flight(request.group_id, spec.sibling, spec.attempt):
-                continue
+        for spec in self._in_flight_specs(request):
             key = (request.group_id, spec.sibling)
             count = self._backend_aborts.get(key, 0) + 1
             self._backend_aborts[key] = count
             if count < cap:
-                self.controller.execute(
-                    AbortSibling(
-                        group_id=request.group_id,
-                        sibling=spec.sibling,
-                        attempt=spec.attempt,
-                        reason="aborted by the backend",
-                    )
-                )
-                self.stats.aborted += 1
+                self._abort_sibling(request.group_id, spec, "aborted by the backend")
             else:
                 self._backend_aborts.pop(key, None)
-                self.controller.execute(
-                    FailSibling(
-                        group_id=request.group_id,
-                        sibling=spec.sibling,
-                        attempt=spec.attempt,
-                        retryable=True,
-                        reason=f"aborted by the backend {count} times "
-                        f"(max_backend_aborts_per_sibling={cap})",
-                    )
+                self._fail_sibling(
+                    request.group_id,
+                    spec,
+                    retryable=True,
+                    reason=f"aborted by the backend {count} times "
+                    f"(max_backend_aborts_per_sibling={cap})",
                 )
                 self.stats.failed += 1
             recorded += 1
@@ -510,18 +486,8 @@ class RolloutRuntime:
 
     def _record_failures(self, request: GroupRequest, exc: BackendError) -> int:
         recorded = 0
-        for spec in request.siblings:
-            if not self._still_in_flight(request.group_id, spec.sibling, spec.attempt):
-                continue
-            self.controller.execute(
-                FailSibling(
-                    group_id=request.group_id,
-                    sibling=spec.sibling,
-                    attempt=spec.attempt,
-                    retryable=exc.retryable,
-                    reason=str(exc),
-                )
-            )
+        for spec in self._in_flight_specs(request):
+            self._fail_sibling(request.group_id, spec, retryable=exc.retryable, reason=str(exc))
             self.stats.failed += 1
             recorded += 1
         return recorded
@@ -529,30 +495,39 @@ class RolloutRuntime:
     def _record_reward_failure(self, res: SiblingResult, reason: str) -> None:
         if not self._still_in_flight(res.group_id, res.sibling, res.attempt):
             return
-        self.controller.execute(
-            FailSibling(
-                group_id=res.group_id,
-                sibling=res.sibling,
-                attempt=res.attempt,
-                retryable=False,
-                reason=reason,
-            )
-        )
+        self._fail_sibling(res.group_id, res, retryable=False, reason=reason)
         self.stats.reward_failures += 1
 
     def _record_aborts(self, request: GroupRequest, reason: str) -> None:
+        for spec in self._in_flight_specs(request):
+            self._abort_sibling(request.group_id, spec, reason)
+
+    def _in_flight_specs(self, request: GroupRequest) -> Iterator[SiblingSpec]:
+        """The request's sibling attempts still in flight (each checked as it is reached)."""
         for spec in request.siblings:
-            if not self._still_in_flight(request.group_id, spec.sibling, spec.attempt):
-                continue
-            self.controller.execute(
-                AbortSibling(
-                    group_id=request.group_id,
-                    sibling=spec.sibling,
-                    attempt=spec.attempt,
-                    reason=reason,
-                )
+            if self._still_in_flight(request.group_id, spec.sibling, spec.attempt):
+                yield spec
+
+    def _abort_sibling(self, group_id: int, spec: SiblingSpec | SiblingResult, reason: str) -> None:
+        self.controller.execute(
+            commands.AbortSibling(
+                group_id=group_id, sibling=spec.sibling, attempt=spec.attempt, reason=reason
             )
-            self.stats.aborted += 1
+        )
+        self.stats.aborted += 1
+
+    def _fail_sibling(
+        self, group_id: int, spec: SiblingSpec | SiblingResult, *, retryable: bool, reason: str
+    ) -> None:
+        self.controller.execute(
+            commands.FailSibling(
+                group_id=group_id,
+                sibling=spec.sibling,
+                attempt=spec.attempt,
+                retryable=retryable,
+                reason=reason,
+            )
+        )
 
     # ------------------------------------------------------------------ trainer API
     async def next_batch(self, train_step: int, *, timeout: float | None = None) -> Batch:
@@ -567,7 +542,7 @@ class RolloutRuntime:
         while train_step not in state.batches:
             self._raise_if_failed()
             try:
-                self.controller.execute(SelectBatch(train_step))
+                self.controller.execute(commands.SelectBatch(train_step))
                 self._changed.set()  # evictions may free slots for the pump
                 continue
             except RunFailedError as exc:
@@ -661,7 +636,7 @@ class RolloutRuntime:
     async def report_trained(self, train_step: int, weight_version: int) -> None:
         """Record that ``train_step`` trained and produced ``weight_version``."""
         self._raise_if_failed()
-        self.controller.execute(RecordTrainStep(train_step, weight_version))
+        self.controller.execute(commands.RecordTrainStep(train_step, weight_version))
         self._changed.set()
 
     async def publish_weights(
@@ -679,7 +654,7 @@ class RolloutRuntime:
             await self._update_weights_drained(named_tensors, weight_version)
         finally:
             self._swapping -= 1
-        applied = self.controller.execute(PublishWeights(weight_version))
+        applied = self.controller.execute(commands.PublishWeights(weight_version))
         await self._abort_in_backend([ev for _, ev in applied])
         self._changed.set()
 
@@ -735,7 +710,7 @@ class RolloutRuntime:
             finally:
                 self._swapping -= 1
         if self.controller.state.published_version < weight_version:
-            applied = self.controller.execute(PublishWeights(weight_version))
+            applied = self.controller.execute(commands.PublishWeights(weight_version))
             await self._abort_in_backend([ev for _, ev in applied])
         self._changed.set()
 
@@ -754,7 +729,7 @@ class RolloutRuntime:
         """Mark a checkpoint after ``train_step`` trained steps; return its durable offset."""
         self._raise_if_failed()
         started = time.perf_counter()
-        applied = self.controller.execute(MarkCheckpoint(train_step=train_step))
+        applied = self.controller.execute(commands.MarkCheckpoint(train_step=train_step))
         await self.controller.aflush()
         self.checkpoint_seconds.append(time.perf_counter() - started)
         return applied[-1][0]

@@ -29,25 +29,31 @@ class BackendError(Exception):
         self.retryable = retryable
 
 
-class BackendUnavailableError(BackendError):
+class FixedRetryError(BackendError):
+    """A :class:`BackendError` whose ``retryable`` is fixed by its class, declared as
+    ``class E(FixedRetryError, retryable=False)``; it is raised with the message only."""
+
+    _retryable: ClassVar[bool] = True
+
+    def __init_subclass__(cls, *, retryable: bool | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if retryable is not None:
+            cls._retryable = retryable
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retryable=self._retryable)
+
+
+class BackendUnavailableError(FixedRetryError, retryable=False):
     """The backend cannot be reached or started (not retryable by the rollout pump)."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message, retryable=False)
 
-
-class BackendAbortedError(BackendError):
+class BackendAbortedError(FixedRetryError, retryable=True):
     """The request was aborted (by :meth:`GenerationBackend.abort`) before it finished."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message, retryable=True)
 
-
-class MalformedResultError(BackendError):
+class MalformedResultError(FixedRetryError, retryable=False):
     """A backend returned results that break the contract (count, ids, logprobs)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, retryable=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +100,27 @@ class SiblingResult:
     finish_reason: str  # "stop" | "length"
     #: Which engine generated it (set by the HTTP/fleet backends; None in-process).
     engine_id: str | None = None
+
+    @classmethod
+    def generated(
+        cls,
+        request: GroupRequest,
+        spec: SiblingSpec,
+        weight_version: int,
+        token_ids: tuple[int, ...],
+        logprobs: tuple[float, ...],
+        finish_reason: str,
+    ) -> SiblingResult:
+        """The result of the attempt ``spec`` of ``request``, labelled with their ids."""
+        return cls(
+            group_id=request.group_id,
+            sibling=spec.sibling,
+            attempt=spec.attempt,
+            weight_version=weight_version,
+            token_ids=token_ids,
+            logprobs=logprobs,
+            finish_reason=finish_reason,
+        )
 
     def completion(self, *, prompt_tokens: int, reward: float, payload_id: str) -> Completion:
         """The domain's record of this result, once the pump has scored it and named the
@@ -159,15 +186,22 @@ _Handle = TypeVar("_Handle")
 
 
 class BackendBase:
-    """What the three backends share: the vocabulary size and weight version they
-    report, their closed flag, and the registry of in-flight ``generate`` calls per
-    group that :meth:`abort` and ``close`` act on. Subclasses set ``name`` and
-    ``label`` and implement the rest of :class:`GenerationBackend`."""
+    """What the backends share: the vocabulary size and weight version they report,
+    their closed flag, the registry of in-flight ``generate`` calls per group that
+    :meth:`abort` and ``close`` act on, and the contract checks applied with the
+    backend's own limits. Subclasses set ``name``, ``label`` and ``max_model_len`` and
+    implement the rest of :class:`GenerationBackend`."""
 
     #: The kind :func:`make_backend` knows the backend by.
     name: ClassVar[str] = ""
     #: How errors name the backend ("torch backend is closed").
-    label: ClassVar[str] = "backend"
+    label: str = "backend"
+    #: Longest prompt + ``max_tokens`` a request may ask for.
+    max_model_len: int
+    #: The checkpoint's weight names and shapes (None: names are not checked), and the
+    #: names an update must give (None: all of them); see :func:`validate_weight_update`.
+    _shapes: Mapping[str, tuple[int, ...]] | None = None
+    _required: Collection[str] | None = None
 
     def __init__(self, *, vocab_size: int, weight_version: int) -> None:
         self._vocab_size = vocab_size
@@ -193,6 +227,29 @@ class BackendBase:
     def _refuse_if_closed(self) -> None:
         if self._closed:
             raise BackendUnavailableError(f"{self.label} is closed")
+
+    def _not_started(self) -> BackendUnavailableError:
+        return BackendUnavailableError(f"{self.label} is not started")
+
+    @staticmethod
+    def _aborted(request: GroupRequest) -> BackendAbortedError:
+        return BackendAbortedError(f"group {request.group_id}: request aborted")
+
+    def _check_request(self, request: GroupRequest) -> None:
+        """:func:`validate_request` against this backend's vocabulary and context length."""
+        validate_request(request, self._vocab_size, self.max_model_len)
+
+    def _check_results(
+        self, request: GroupRequest, results: Sequence[SiblingResult]
+    ) -> list[SiblingResult]:
+        """:func:`validate_results` against this backend's vocabulary."""
+        return validate_results(request, results, self._vocab_size)
+
+    def _check_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> dict[str, torch.Tensor]:
+        """:func:`validate_weight_update` against this backend's checkpoint names."""
+        return validate_weight_update(named_tensors, version, self._shapes, self._required)
 
     @contextmanager
     def _tracked(self, group_id: int, handle: _Handle) -> Iterator[_Handle]:

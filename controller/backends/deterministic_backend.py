@@ -25,16 +25,11 @@ if TYPE_CHECKING:  # torch is the [torch] extra; only annotations need it here
 
 from rolloutlog.controller.backends._gate import DrainGate
 from rolloutlog.controller.backends.base import (
-    BackendAbortedError,
     BackendBase,
     BackendError,
-    BackendUnavailableError,
     GroupRequest,
     SiblingResult,
     SiblingSpec,
-    validate_request,
-    validate_results,
-    validate_weight_update,
 )
 
 #: Ways :class:`DeterministicBackend` can break the result contract on purpose.
@@ -120,7 +115,7 @@ class DeterministicBackend(BackendBase):
         self.fail = fail
         self.fail_retryable = fail_retryable
         self.malformed = malformed
-        self._weight_shapes = (
+        self._shapes = (
             None
             if weight_shapes is None
             else {name: tuple(int(d) for d in shape) for name, shape in weight_shapes.items()}
@@ -146,17 +141,17 @@ class DeterministicBackend(BackendBase):
     def _check_open(self) -> None:
         self._refuse_if_closed()
         if not self._started:
-            raise BackendUnavailableError("deterministic backend is not started")
+            raise self._not_started()
 
     async def generate(self, request: GroupRequest) -> list[SiblingResult]:
         """Generate every requested sibling (see the class docstring for the rules)."""
         self._check_open()
-        validate_request(request, self._vocab_size, self.max_model_len)
+        self._check_request(request)
         with self._tracked(request.group_id, _Running()) as run:
             async with self._gate.generating():
                 self._check_open()
                 if run.aborted:
-                    raise BackendAbortedError(f"group {request.group_id}: request aborted")
+                    raise self._aborted(request)
                 version = self._weight_version
                 self.requests.append(request)
                 latency = self.latency(request) if callable(self.latency) else self.latency
@@ -167,13 +162,13 @@ class DeterministicBackend(BackendBase):
                     if not run.task.done():  # our own caller was cancelled
                         run.task.cancel()
                 if run.aborted:
-                    raise BackendAbortedError(f"group {request.group_id}: request aborted")
+                    raise self._aborted(request)
                 self._maybe_fail(request)
                 results = [self._one(request, spec, version) for spec in request.siblings]
         mode = self.malformed(request) if callable(self.malformed) else self.malformed
         if mode is not None:
             return self._break(request, results, mode)
-        return validate_results(request, results, self._vocab_size)
+        return self._check_results(request, results)
 
     def _maybe_fail(self, request: GroupRequest) -> None:
         if self.fail is None:
@@ -207,15 +202,7 @@ class DeterministicBackend(BackendBase):
         if finish == "stop" and self.eos_token_id is not None:
             tokens[-1] = self.eos_token_id
         logprobs = tuple(-rng.uniform(0.01, 5.0) for _ in tokens)
-        return SiblingResult(
-            group_id=request.group_id,
-            sibling=spec.sibling,
-            attempt=spec.attempt,
-            weight_version=version,
-            token_ids=tuple(tokens),
-            logprobs=logprobs,
-            finish_reason=finish,
-        )
+        return SiblingResult.generated(request, spec, version, tuple(tokens), logprobs, finish)
 
     def _break(
         self, request: GroupRequest, results: list[SiblingResult], mode: str
@@ -260,7 +247,7 @@ class DeterministicBackend(BackendBase):
     ) -> None:
         """Record new weights (validated like the real backends); waits for in-flight work."""
         self._check_open()
-        tensors = validate_weight_update(named_tensors, version, self._weight_shapes)
+        tensors = self._check_weights(named_tensors, version)
         async with self._gate.swapping():
             self._weight_version = version
             self.weight_updates.append((version, tuple(tensors)))

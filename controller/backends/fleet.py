@@ -46,6 +46,7 @@ from rolloutlog.controller.backends.base import (
     BackendAbortedError,
     BackendError,
     BackendUnavailableError,
+    FixedRetryError,
     GroupRequest,
     SiblingResult,
     validate_request,
@@ -68,18 +69,12 @@ class EngineHealth(enum.StrEnum):
     STALE = "stale"
 
 
-class EngineLostError(BackendError):
+class EngineLostError(FixedRetryError, retryable=True):
     """The engine a sibling attempt ran on was lost (retryable on another engine)."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message, retryable=True)
 
-
-class NoEngineError(BackendError):
+class NoEngineError(FixedRetryError, retryable=True):
     """No engine can serve the request's weight version right now (retryable)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, retryable=True)
 
 
 class FleetListener:

@@ -28,16 +28,11 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rolloutlog.controller.backends.base import (
-    BackendAbortedError,
     BackendBase,
     BackendError,
-    BackendUnavailableError,
     GroupRequest,
     SiblingResult,
     SiblingSpec,
-    validate_request,
-    validate_results,
-    validate_weight_update,
 )
 from rolloutlog.grpo.model_loader import load_causal_lm
 
@@ -145,19 +140,19 @@ class TorchBackend(BackendBase):
     def _check_open(self) -> concurrent.futures.ThreadPoolExecutor:
         self._refuse_if_closed()
         if self._executor is None:
-            raise BackendUnavailableError("torch backend is not started")
+            raise self._not_started()
         return self._executor
 
     async def generate(self, request: GroupRequest) -> list[SiblingResult]:
         """Sample every requested sibling; results in the order of ``request.siblings``."""
         executor = self._check_open()
-        validate_request(request, self._vocab_size, self.max_model_len)
+        self._check_request(request)
         with self._tracked(request.group_id, threading.Event()) as stop:
             try:
                 loop = asyncio.get_running_loop()
                 results = await loop.run_in_executor(executor, self._sample, request, stop)
             except _Aborted:
-                raise BackendAbortedError(f"group {request.group_id}: request aborted") from None
+                raise self._aborted(request) from None
             except asyncio.CancelledError:
                 stop.set()  # the worker stops at its next token
                 raise
@@ -168,7 +163,7 @@ class TorchBackend(BackendBase):
                     f"group {request.group_id}: torch sampling failed: {type(exc).__name__}: {exc}",
                     retryable=True,
                 ) from exc
-        return validate_results(request, results, self._vocab_size)
+        return self._check_results(request, results)
 
     def _sample(self, request: GroupRequest, stop: threading.Event) -> list[SiblingResult]:
         """Runs on the worker thread: batched sampling with a KV cache."""
@@ -215,14 +210,8 @@ class TorchBackend(BackendBase):
                     break
                 input_ids = torch.tensor(nxt, dtype=torch.long, device=self.device).unsqueeze(1)
         return [
-            SiblingResult(
-                group_id=request.group_id,
-                sibling=spec.sibling,
-                attempt=spec.attempt,
-                weight_version=version,
-                token_ids=tuple(tokens[i]),
-                logprobs=tuple(logprobs[i]),
-                finish_reason=finish[i] or "length",
+            SiblingResult.generated(
+                request, spec, version, tuple(tokens[i]), tuple(logprobs[i]), finish[i] or "length"
             )
             for i, spec in enumerate(request.siblings)
         ]
@@ -256,7 +245,7 @@ class TorchBackend(BackendBase):
         submitted afterwards are served with the new weights and report ``version``.
         """
         executor = self._check_open()
-        tensors = validate_weight_update(named_tensors, version, self._shapes, self._required)
+        tensors = self._check_weights(named_tensors, version)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(executor, self._load, tensors, version)
 

@@ -41,9 +41,6 @@ from rolloutlog.controller.backends.base import (
     GroupRequest,
     SiblingResult,
     SiblingSpec,
-    validate_request,
-    validate_results,
-    validate_weight_update,
 )
 from rolloutlog.controller.backends.torch_backend import sibling_seed
 
@@ -198,7 +195,7 @@ class VLLMBackend(BackendBase):
     def _check_open(self) -> Any:
         self._refuse_if_closed()
         if self._engine is None:
-            raise BackendUnavailableError("vLLM backend is not started")
+            raise self._not_started()
         if self._engine.errored:
             raise BackendUnavailableError(f"vLLM engine is dead: {self._engine.dead_error}")
         return self._engine
@@ -206,12 +203,12 @@ class VLLMBackend(BackendBase):
     async def generate(self, request: GroupRequest) -> list[SiblingResult]:
         """One vLLM request per sibling; results in the order of ``request.siblings``."""
         self._check_open()
-        validate_request(request, self._vocab_size, self.max_model_len)
+        self._check_request(request)
         with self._tracked(request.group_id, _Running()) as run:
             async with self._gate.generating():
                 engine = self._check_open()
                 if run.aborted:
-                    raise BackendAbortedError(f"group {request.group_id}: request aborted")
+                    raise self._aborted(request)
                 version = self._weight_version
                 run.tasks = [
                     asyncio.ensure_future(self._one(engine, request, spec, version))
@@ -226,14 +223,14 @@ class VLLMBackend(BackendBase):
                     if pending:
                         await asyncio.gather(*pending, return_exceptions=True)
                 if run.aborted:
-                    raise BackendAbortedError(f"group {request.group_id}: request aborted")
+                    raise self._aborted(request)
                 for task in run.tasks:  # a real failure first, then cancellations
                     if not task.cancelled() and task.exception() is not None:
                         raise task.exception()  # type: ignore[misc]
                 if any(task.cancelled() for task in run.tasks):
-                    raise BackendAbortedError(f"group {request.group_id}: request aborted")
+                    raise self._aborted(request)
                 results = [task.result() for task in run.tasks]
-        return validate_results(request, results, self._vocab_size)
+        return self._check_results(request, results)
 
     async def _one(
         self, engine: Any, request: GroupRequest, spec: SiblingSpec, version: int
@@ -271,14 +268,8 @@ class VLLMBackend(BackendBase):
         logprobs = tuple(
             float(step[tok].logprob) for step, tok in zip(steps, token_ids, strict=False)
         )
-        return SiblingResult(
-            group_id=request.group_id,
-            sibling=spec.sibling,
-            attempt=spec.attempt,
-            weight_version=version,
-            token_ids=token_ids,
-            logprobs=logprobs,
-            finish_reason=str(completion.finish_reason),
+        return SiblingResult.generated(
+            request, spec, version, token_ids, logprobs, str(completion.finish_reason)
         )
 
     async def abort(self, group_id: int) -> None:
@@ -299,7 +290,7 @@ class VLLMBackend(BackendBase):
         from safetensors.torch import save
 
         engine = self._check_open()
-        tensors = validate_weight_update(named_tensors, version, self._shapes)
+        tensors = self._check_weights(named_tensors, version)
         blob = save(
             {
                 name: t.detach().to(device="cpu", dtype=self._torch_dtype).contiguous().clone()

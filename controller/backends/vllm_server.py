@@ -55,14 +55,13 @@ import torch
 from rolloutlog.controller.backends._gate import DrainGate
 from rolloutlog.controller.backends.base import (
     BackendAbortedError,
+    BackendBase,
     BackendError,
     BackendUnavailableError,
+    FixedRetryError,
     GroupRequest,
     SiblingResult,
     SiblingSpec,
-    validate_request,
-    validate_results,
-    validate_weight_update,
 )
 from rolloutlog.controller.backends.torch_backend import sibling_seed
 
@@ -77,11 +76,8 @@ def weight_tag(version: int) -> str:
     return f"rolloutlog-v{version}"
 
 
-class EngineTransportError(BackendError):
+class EngineTransportError(FixedRetryError, retryable=True):
     """The engine could not be reached, or did not answer in time (retryable)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, retryable=True)
 
 
 def _httpx() -> Any:
@@ -132,7 +128,7 @@ def read_manifest_version(weights_dir: Path) -> int:
         ) from exc
 
 
-class VLLMServerBackend:
+class VLLMServerBackend(BackendBase):
     """The :class:`~rolloutlog.controller.backends.base.GenerationBackend` of one vLLM HTTP server.
 
     Args:
@@ -178,7 +174,9 @@ class VLLMServerBackend:
         self.model_dir = None if model_dir is None else Path(model_dir)
         self.max_model_len = 0 if max_model_len is None else int(max_model_len)
         self._requested_max_model_len = max_model_len
-        self._vocab_size = 0 if vocab_size is None else int(vocab_size)
+        super().__init__(
+            vocab_size=0 if vocab_size is None else int(vocab_size), weight_version=weight_version
+        )
         self._shapes: dict[str, tuple[int, ...]] | None = (
             None if weight_shapes is None else dict(weight_shapes)
         )
@@ -187,7 +185,6 @@ class VLLMServerBackend:
         self.control_timeout = control_timeout
         self.health_timeout = health_timeout
         self._torch_dtype: torch.dtype = getattr(torch, dtype)
-        self._weight_version = weight_version
         self._startup_version = weight_version
         self._weights_known = True
         self._weights_root = None if weights_root is None else Path(weights_root)
@@ -196,23 +193,16 @@ class VLLMServerBackend:
         self._client: Any = None
         self._model_name: str | None = None
         self._gate = DrainGate()
-        self._inflight: dict[int, list[_Running]] = {}
         self._nonce = uuid.uuid4().hex[:8]
         self._ids = itertools.count()
-        self._closed = False
         self._written: list[Path] = []
 
     # --- properties ----------------------------------------------------------------
 
     @property
-    def vocab_size(self) -> int:
-        """The model's vocabulary size (known once started)."""
-        return self._vocab_size
-
-    @property
-    def weight_version(self) -> int:
-        """Version of the weights the server holds (last confirmed load)."""
-        return self._weight_version
+    def label(self) -> str:  # type: ignore[override]
+        """How errors name this backend: by its engine."""
+        return f"{self.engine_id}: backend"
 
     @property
     def weights_known(self) -> bool:
@@ -229,13 +219,15 @@ class VLLMServerBackend:
         """The checkpoint's weight names and shapes (strict weight checks), if known."""
         return self._shapes
 
+    def _weights_lost(self, message: str) -> BackendError:
+        """Mark the weights unknown after a load whose outcome is unknown; the error to
+        raise (not retryable: the engine must be refit first)."""
+        self._weights_known = False
+        return BackendError(f"{self.engine_id}: {message}", retryable=False)
+
     def forget_weights(self) -> None:
         """Mark the server's weights unknown (it may have restarted): refit before serving."""
         self._weights_known = False
-
-    def in_flight_groups(self) -> set[int]:
-        """Group ids with a ``generate`` call in progress."""
-        return {g for g, runs in self._inflight.items() if runs}
 
     def in_flight_request_ids(self) -> list[str]:
         """The sibling request ids (``g{group}-s{sibling}-a{attempt}``) in flight."""
@@ -245,8 +237,7 @@ class VLLMServerBackend:
 
     async def start(self) -> None:
         """Connect: the server must answer ``/health`` and ``/v1/models`` in time."""
-        if self._closed:
-            raise BackendUnavailableError(f"{self.engine_id}: backend is closed")
+        self._refuse_if_closed()
         if self._client is not None:
             return
         httpx = _httpx()
@@ -326,10 +317,9 @@ class VLLMServerBackend:
             shutil.rmtree(self._weights_root, ignore_errors=True)
 
     def _client_or_raise(self) -> Any:
-        if self._closed:
-            raise BackendUnavailableError(f"{self.engine_id}: backend is closed")
+        self._refuse_if_closed()
         if self._client is None:
-            raise BackendUnavailableError(f"{self.engine_id}: backend is not started")
+            raise self._not_started()
         return self._client
 
     # --- generation ----------------------------------------------------------------
@@ -337,7 +327,7 @@ class VLLMServerBackend:
     async def generate(self, request: GroupRequest) -> list[SiblingResult]:
         """One completion per sibling; results in the order of ``request.siblings``."""
         self._client_or_raise()
-        validate_request(request, self._vocab_size, self.max_model_len)
+        self._check_request(request)
         return await self.generate_at(request, None)
 
     async def generate_at(self, request: GroupRequest, version: int | None) -> list[SiblingResult]:
@@ -348,14 +338,12 @@ class VLLMServerBackend:
         anything is sent.
         """
         client = self._client_or_raise()
-        validate_request(request, self._vocab_size, self.max_model_len)
-        run = _Running()
-        self._inflight.setdefault(request.group_id, []).append(run)
-        try:
+        self._check_request(request)
+        with self._tracked(request.group_id, _Running()) as run:
             async with self._gate.generating():
                 self._client_or_raise()
                 if run.aborted:
-                    raise BackendAbortedError(f"group {request.group_id}: request aborted")
+                    raise self._aborted(request)
                 if not self._weights_known:
                     raise EngineStaleError(
                         f"{self.engine_id}: weights unknown after a failed load; refit first"
@@ -387,20 +375,14 @@ class VLLMServerBackend:
                 # engine dies), so none is reported as "never retrieved".
                 failures = [t.exception() for t in run.tasks if not t.cancelled()]
                 if run.aborted:
-                    raise BackendAbortedError(f"group {request.group_id}: request aborted")
+                    raise self._aborted(request)
                 for failure in failures:  # a real failure first, then cancellations
                     if failure is not None:
                         raise failure
                 if any(task.cancelled() for task in run.tasks):
-                    raise BackendAbortedError(f"group {request.group_id}: request aborted")
+                    raise self._aborted(request)
                 results = [task.result() for task in run.tasks]
-        finally:
-            runs = self._inflight.get(request.group_id, [])
-            if run in runs:
-                runs.remove(run)
-            if not runs:
-                self._inflight.pop(request.group_id, None)
-        results = validate_results(request, results, self._vocab_size)
+        results = self._check_results(request, results)
         return [replace(r, engine_id=self.engine_id) for r in results]
 
     async def _one(
@@ -485,7 +467,7 @@ class VLLMServerBackend:
         with the new weights.
         """
         self._client_or_raise()
-        tensors = validate_weight_update(named_tensors, version, self._shapes)
+        tensors = self._check_weights(named_tensors, version)
         path = write_weights_dir(tensors, version, self.weights_root(), self._torch_dtype)
         self._written.append(path)
         try:
@@ -551,11 +533,9 @@ class VLLMServerBackend:
                     "/collective_rpc", json=body, timeout=self.control_timeout + 5
                 )
             except (httpx.TransportError, httpx.TimeoutException) as exc:
-                self._weights_known = False
-                raise BackendError(
-                    f"{self.engine_id}: weight load of version {version} has an unknown "
+                raise self._weights_lost(
+                    f"weight load of version {version} has an unknown "
                     f"outcome ({type(exc).__name__}: {exc}); refit before serving",
-                    retryable=False,
                 ) from exc
             if 400 <= resp.status_code < 500:  # refused before anything was loaded
                 raise BackendError(
@@ -564,11 +544,9 @@ class VLLMServerBackend:
                     retryable=False,
                 )
             if resp.status_code != 200:
-                self._weights_known = False
-                raise BackendError(
-                    f"{self.engine_id}: weight load of version {version} failed "
+                raise self._weights_lost(
+                    f"weight load of version {version} failed "
                     f"({resp.status_code}): {resp.text[:300]}; refit before serving",
-                    retryable=False,
                 )
             await self._reset_prefix_cache(client, version)
             await self._tag(client, version)
@@ -592,18 +570,14 @@ class VLLMServerBackend:
                 return
             held = await self.served_weight_tag()
         except (httpx.TransportError, httpx.TimeoutException) as exc:
-            self._weights_known = False
-            raise BackendError(
-                f"{self.engine_id}: could not tag weight version {version} "
+            raise self._weights_lost(
+                f"could not tag weight version {version} "
                 f"({type(exc).__name__}: {exc}); refit before serving",
-                retryable=False,
             ) from exc
         if resp.status_code != 200 or held != tag:  # someone else tagged it, or it restarted
-            self._weights_known = False
-            raise BackendError(
-                f"{self.engine_id}: weight version tag check failed after loading version "
+            raise self._weights_lost(
+                f"weight version tag check failed after loading version "
                 f"{version} (status {resp.status_code}, engine reports {held!r})",
-                retryable=False,
             )
 
     async def served_weight_tag(self) -> str | None:
@@ -652,20 +626,14 @@ class VLLMServerBackend:
             if ok:
                 return
             if time.monotonic() > deadline:
-                self._weights_known = False
-                raise BackendError(
-                    f"{self.engine_id}: prefix cache not reset after loading version "
-                    f"{version}; refit before serving",
-                    retryable=False,
+                raise self._weights_lost(
+                    f"prefix cache not reset after loading version {version}; refit before serving",
                 )
             await asyncio.sleep(0.05)  # blocks still held: the reset may be retried
 
 
-class EngineStaleError(BackendError):
+class EngineStaleError(FixedRetryError, retryable=True):
     """The engine does not hold the weight version the request needs (retryable elsewhere)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, retryable=True)
 
 
 def _parse_completion(
@@ -685,15 +653,7 @@ def _parse_completion(
         ) from exc
     if finish == "abort":
         raise BackendAbortedError(f"{who}: aborted by the engine")
-    return SiblingResult(
-        group_id=request.group_id,
-        sibling=spec.sibling,
-        attempt=spec.attempt,
-        weight_version=version,
-        token_ids=token_ids,
-        logprobs=logprobs,
-        finish_reason=str(finish),
-    )
+    return SiblingResult.generated(request, spec, version, token_ids, logprobs, str(finish))
 
 
 class _Running:

@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from .errors import IllegalTransitionError, UnknownReferenceError
 from .events import (
@@ -46,6 +47,26 @@ class VacancyPlanner:
             next_prompt=state.dataset_cursor,
         )
 
+    @classmethod
+    def evict_stale(
+        cls, state: RunState, stale: Sequence[tuple[GroupState, int]], why: str
+    ) -> list[RolloutEvent]:
+        """Evict each ``(group, staleness)`` of ``stale`` (the reason: ``why`` and the
+        staleness against the bound), then refill the slots they leave."""
+        planner = cls.for_state(state).leaving({g.group_id for g, _ in stale})
+        events: list[RolloutEvent] = []
+        for group, staleness in stale:
+            events.extend(
+                planner.vacate(
+                    group,
+                    kind="evict",
+                    reason=f"{why}: staleness {staleness} > bound {state.rules.staleness_bound}",
+                    staleness=staleness,
+                )
+            )
+        events.extend(planner.refill())
+        return events
+
     def leaving(self, group_ids: set[int]) -> VacancyPlanner:
         """Mark groups this decision will remove, so none is picked as a lender."""
         self.gone.update(group_ids)
@@ -80,27 +101,19 @@ class VacancyPlanner:
             outcome = "shrunk" if remaining >= floor else "run_failed"
         else:
             outcome, tail = self._replace(group, t)
+        slot: dict[str, Any] = {
+            "group_id": group.group_id,
+            "prompt_index": group.prompt_index,
+            "data_pass": group.data_pass,
+            "target_step": t,
+            "reason": reason,
+            "outcome": outcome,
+        }
         head: RolloutEvent
         if kind == "drop":
-            head = PromptDropped(
-                group_id=group.group_id,
-                prompt_index=group.prompt_index,
-                data_pass=group.data_pass,
-                target_step=t,
-                reason=reason,
-                outcome=outcome,
-            )
+            head = PromptDropped(**slot)
         else:
-            head = GroupEvicted(
-                group_id=group.group_id,
-                prompt_index=group.prompt_index,
-                data_pass=group.data_pass,
-                target_step=t,
-                reason=reason,
-                staleness=staleness,
-                recovered=group.recovered,
-                outcome=outcome,
-            )
+            head = GroupEvicted(**slot, staleness=staleness, recovered=group.recovered)
         return [head, *tail]
 
     def _replace(self, group: GroupState, step: int) -> tuple[VacateOutcome, list[RolloutEvent]]:

@@ -9,47 +9,28 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from . import admission, buffer, engines, restore, siblings, training
-from .commands import (
-    AbortSibling,
-    AdmitStep,
-    Command,
-    CompleteSibling,
-    DispatchSiblings,
-    EvictStale,
-    FailSibling,
-    MarkCheckpoint,
-    PublishWeights,
-    RecordEngineJoined,
-    RecordEngineLost,
-    RecordEngineRefit,
-    RecordTrainStep,
-    Restore,
-    Resume,
-    SelectBatch,
-    StartRun,
-)
+from . import admission, buffer, commands, engines, restore, siblings, training
 from .errors import IllegalTransitionError, MonotonicityError, RunFailedError
 from .events import RolloutEvent
 from .state import RunState
 
 _DECIDERS: dict[type, Callable[[RunState, Any], list[RolloutEvent]]] = {
-    StartRun: admission.decide_start,
-    AdmitStep: admission.decide_admit,
-    DispatchSiblings: siblings.decide_dispatch,
-    CompleteSibling: siblings.decide_complete,
-    FailSibling: siblings.decide_fail,
-    AbortSibling: siblings.decide_abort,
-    SelectBatch: training.decide_select,
-    RecordTrainStep: training.decide_train,
-    PublishWeights: training.decide_publish,
-    MarkCheckpoint: training.decide_checkpoint,
-    Restore: restore.decide_restore,
-    Resume: restore.decide_resume,
-    EvictStale: lambda state, cmd: restore.decide_evict_stale(state, cmd.reason),
-    RecordEngineJoined: engines.decide_joined,
-    RecordEngineLost: engines.decide_lost,
-    RecordEngineRefit: engines.decide_refit,
+    commands.StartRun: admission.decide_start,
+    commands.AdmitStep: admission.decide_admit,
+    commands.DispatchSiblings: siblings.decide_dispatch,
+    commands.CompleteSibling: siblings.decide_complete,
+    commands.FailSibling: siblings.decide_fail,
+    commands.AbortSibling: siblings.decide_abort,
+    commands.SelectBatch: training.decide_select,
+    commands.RecordTrainStep: training.decide_train,
+    commands.PublishWeights: training.decide_publish,
+    commands.MarkCheckpoint: training.decide_checkpoint,
+    commands.Restore: restore.decide_restore,
+    commands.Resume: restore.decide_resume,
+    commands.EvictStale: lambda state, cmd: restore.decide_evict_stale(state, cmd.reason),
+    commands.RecordEngineJoined: engines.decide_joined,
+    commands.RecordEngineLost: engines.decide_lost,
+    commands.RecordEngineRefit: engines.decide_refit,
 }
 
 _EVOLVERS: dict[type, Callable[[RunState, Any], None]] = {
@@ -63,12 +44,12 @@ _EVOLVERS: dict[type, Callable[[RunState, Any], None]] = {
 
 
 _ALLOWED_AFTER_FAILURE = (
-    Restore,
-    Resume,
-    MarkCheckpoint,
-    RecordEngineJoined,
-    RecordEngineLost,
-    RecordEngineRefit,
+    commands.Restore,
+    commands.Resume,
+    commands.MarkCheckpoint,
+    commands.RecordEngineJoined,
+    commands.RecordEngineLost,
+    commands.RecordEngineRefit,
 )
 
 
@@ -77,7 +58,7 @@ def initial_state() -> RunState:
     return RunState()
 
 
-def decide(state: RunState, command: Command) -> list[RolloutEvent]:
+def decide(state: RunState, command: commands.Command) -> list[RolloutEvent]:
     """The events ``command`` causes, or a domain error naming the violated rule.
 
     Never mutates ``state``.
@@ -85,7 +66,7 @@ def decide(state: RunState, command: Command) -> list[RolloutEvent]:
     handler = _DECIDERS.get(type(command))
     if handler is None:
         raise TypeError(f"unknown command {type(command).__name__}")
-    if state.config is None and not isinstance(command, StartRun):
+    if state.config is None and not isinstance(command, commands.StartRun):
         raise IllegalTransitionError("the run has not started")
     # A failed run can still be taken over (Resume fences the old writer), checkpointed
     # and restored, and engine membership (a fact about the world) is still recorded;

@@ -101,19 +101,7 @@ def decide_evict_stale(state: RunState, reason: str) -> list[RolloutEvent]:
     stale = stale_groups(state, (Phase.ADMITTED, Phase.READY))
     if not stale:
         return []
-    planner = VacancyPlanner.for_state(state).leaving({g.group_id for g, _ in stale})
-    events: list[RolloutEvent] = []
-    for group, staleness in stale:
-        events.extend(
-            planner.vacate(
-                group,
-                kind="evict",
-                reason=f"{reason}: staleness {staleness} > bound {state.rules.staleness_bound}",
-                staleness=staleness,
-            )
-        )
-    events.extend(planner.refill())
-    return events
+    return VacancyPlanner.evict_stale(state, stale, reason)
 
 
 # ---------------------------------------------------------------- evolve

@@ -41,22 +41,10 @@ def decide_select(state: RunState, cmd: SelectBatch) -> list[RolloutEvent]:
         raise IllegalTransitionError(f"the batch of step {cmd.train_step} is already selected")
     plan = plan_batch(state, cmd.train_step)
     if plan.evict:
-        planner = VacancyPlanner.for_state(state).leaving({g.group_id for g, _ in plan.evict})
-        events: list[RolloutEvent] = []
-        for group, staleness in plan.evict:
-            events.extend(
-                planner.vacate(
-                    group,
-                    kind="evict",
-                    reason=f"stale: staleness {staleness} > bound {state.rules.staleness_bound}",
-                    staleness=staleness,
-                )
-            )
-        events.extend(planner.refill())
-        return events
+        return VacancyPlanner.evict_stale(state, plan.evict, "stale")
     if plan.select is None:
         raise BatchNotReadyError(f"batch of step {cmd.train_step} not ready: {plan.waiting_for}")
-    events = [
+    events: list[RolloutEvent] = [
         GroupSelected(
             group_id=g.group_id,
             prompt_index=g.prompt_index,

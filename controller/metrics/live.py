@@ -406,16 +406,20 @@ class LiveMetrics:
             self.runtime = runtime
             self._checkpoint_seen = len(runtime.checkpoint_seconds)
 
+    def _sync_logging(self, errors: type[Exception]) -> None:
+        """:meth:`sync_now`, logging a failure of type ``errors`` instead of raising it."""
+        try:
+            self.sync_now()
+        except errors:
+            log.exception("metrics: recomputing from the log failed")
+
     def detach(self) -> None:
         """Stop following the controller (the projection keeps its values)."""
         ctl = self.controller
         if ctl is None:
             return
         if self._needs_sync:
-            try:
-                self.sync_now()
-            except Exception:
-                log.exception("metrics: recomputing from the log failed")
+            self._sync_logging(Exception)
         with self.follower.lock:
             self._pull_timings()
         if self._on_events in ctl.listeners:
@@ -552,10 +556,7 @@ class LiveMetrics:
             with self.follower.lock:
                 return self.timings.families()
         if self._needs_sync and not self._catching_up:
-            try:
-                self.sync_now()
-            except StoreError:
-                log.exception("metrics: recomputing from the log failed")
+            self._sync_logging(StoreError)
         with self.follower.lock:
             self._pull_timings()
             follower = self.follower

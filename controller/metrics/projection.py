@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any, Literal
 
@@ -377,6 +377,13 @@ class Family:
     samples: tuple[Sample, ...]
 
 
+def _row_dict(row: StepRow | RestoreRow) -> dict[str, Any]:
+    """A row's fields in their order, JSON-friendly (``time`` as ISO 8601 UTC)."""
+    out = {f.name: getattr(row, f.name) for f in fields(row)}
+    out["time"] = row.time.isoformat()
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class StepRow:
     """The train-step axis: one row per trained step (cumulative counts at that step)."""
@@ -400,24 +407,7 @@ class StepRow:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly form (time as ISO 8601 UTC)."""
-        return {
-            "step": self.step,
-            "offset": self.offset,
-            "time": self.time.isoformat(),
-            "wall_seconds": self.wall_seconds,
-            "epoch": self.epoch,
-            "weight_version": self.weight_version,
-            "groups": self.groups,
-            "shortfall": self.shortfall,
-            "reward_mean": self.reward_mean,
-            "staleness_max": self.staleness_max,
-            "staleness_mean": self.staleness_mean,
-            "tokens_generated": self.tokens_generated,
-            "tokens_committed": self.tokens_committed,
-            "groups_committed": self.groups_committed,
-            "groups_evicted": self.groups_evicted,
-            "prompts_dropped": self.prompts_dropped,
-        }
+        return _row_dict(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -447,23 +437,7 @@ class RestoreRow:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly form (time as ISO 8601 UTC)."""
-        return {
-            "offset": self.offset,
-            "time": self.time.isoformat(),
-            "wall_seconds": self.wall_seconds,
-            "epoch": self.epoch,
-            "from_offset": self.from_offset,
-            "mode": self.mode,
-            "granularity": self.granularity,
-            "checkpoint_train_step": self.checkpoint_train_step,
-            "checkpoint_weight_version": self.checkpoint_weight_version,
-            "rolled_back_seconds": self.rolled_back_seconds,
-            "complete_groups_restored": self.complete_groups_restored,
-            "unfinished_groups_found": self.unfinished_groups_found,
-            "siblings_reused": self.siblings_reused,
-            "siblings_rerun": self.siblings_rerun,
-            "siblings_salvaged": self.siblings_salvaged,
-        }
+        return _row_dict(self)
 
 
 class _CounterContainers:
