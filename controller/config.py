@@ -78,6 +78,13 @@ class StoreConfig(BaseModel):
         5.0, ge=0, description="Longest a submitted event waits for its batch's transaction."
     )
     group_commit_max_batch: int = Field(2000, ge=1, description="Most events per transaction.")
+    commit_writer: Literal["thread", "process"] = Field(
+        "thread",
+        description="Where appends run: on the group committer's thread, or in a writer "
+        "process of their own (its own connection; this process then spends only the "
+        "pickling of each batch under the GIL, so a busy event loop or trainer does not "
+        "slow commits, nor commits them). Needs a database file or server, not memory.",
+    )
     snapshot_interval: int = Field(
         50_000, ge=0, description="Events between state snapshots (0: never snapshot)."
     )

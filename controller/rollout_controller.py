@@ -188,6 +188,7 @@ class RolloutController:
             max_batch=self.store_config.group_commit_max_batch,
             window_s=self.store_config.group_commit_window_ms / 1000,
             lock_timeout_s=self.store_config.writer_lock_timeout_s,
+            writer=self.store_config.commit_writer,
         )
         self._last_snapshot = state.last_seq
         # Keeps the snapshot's group JSON current a slice at a time (snapshot_encoder.py).

@@ -26,6 +26,7 @@ from .errors import (
     StoreUnavailableError,
     StoreUrlError,
     UnknownEventTypeError,
+    WriterProcessError,
 )
 from .groupcommit import GroupCommitter
 from .history import history_segments
@@ -66,6 +67,7 @@ __all__ = [
     "StoreUrlError",
     "StoredEvent",
     "UnknownEventTypeError",
+    "WriterProcessError",
     "decode_arrays",
     "encode_arrays",
     "history_segments",

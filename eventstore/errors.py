@@ -6,9 +6,25 @@ backend-specific driver exceptions never escape the store unwrapped.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class StoreError(Exception):
     """Base class of every error raised by the event store."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Subclasses take structured constructor arguments (AppendConflictError(run_id,
+        # expected, actual)) while ``args`` holds the message, so the default pickling
+        # would call them wrongly. Rebuild from args and attributes instead: an error
+        # raised in the writer process arrives whole, type included (writer_process.py).
+        return (_rebuild_error, (type(self), self.args, dict(self.__dict__)))
+
+
+def _rebuild_error(cls: type[StoreError], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    err = cls.__new__(cls)
+    BaseException.__init__(err, *args)
+    err.__dict__.update(state)
+    return err
 
 
 class StoreUrlError(StoreError, ValueError):
@@ -119,6 +135,11 @@ class PayloadNotFoundError(StoreError, KeyError):
 
 class GroupCommitClosedError(StoreError):
     """The group committer was closed, or its writer failed; no more events are accepted."""
+
+
+class WriterProcessError(StoreError):
+    """The writer process (eventstore/writer_process.py) could not be started, died, or
+    did not answer in time."""
 
 
 class CorruptLogError(StoreError):

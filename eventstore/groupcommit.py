@@ -7,6 +7,10 @@ transaction per batch, when the batch is full or the commit window has passed.
 durable, and re-raises the writer's error if an append failed: after a failure the
 committer accepts nothing more, because later events would depend on lost ones.
 
+``writer="process"`` runs each append in a child process (see writer_process.py), so
+the commit costs this process's GIL only the pickling of the batch; the writer thread
+then just waits on the child.
+
 One ``submit`` call is one unit: a batch is cut only between units, never inside one,
 so the events of one command always commit in the same transaction (a crash can never
 leave half a command in the log). A unit larger than ``max_batch`` commits alone, whole.
@@ -20,11 +24,17 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from .errors import GroupCommitClosedError, StoreError
 from .records import NewEvent, PayloadPut
 from .store import EventStore
+
+if TYPE_CHECKING:
+    from .writer_process import WriterProcess
+
+#: Where appends run: on the committer's thread, or in a child process.
+CommitWriter = Literal["thread", "process"]
 
 
 class GroupCommitter:
@@ -40,11 +50,14 @@ class GroupCommitter:
         max_batch: int = 2000,
         window_s: float = 0.005,
         lock_timeout_s: float | None = None,
+        writer: CommitWriter = "thread",
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         if window_s < 0:
             raise ValueError("window_s must be >= 0")
+        if writer not in ("thread", "process"):
+            raise ValueError(f"writer must be 'thread' or 'process', got {writer!r}")
         self.store = store
         self.run_id = run_id
         self.epoch = epoch
@@ -71,6 +84,10 @@ class GroupCommitter:
         self._waiters: list[tuple[int, asyncio.AbstractEventLoop, asyncio.Future[int]]] = []
         #: Seconds spent in each committed transaction (for the append-latency metric).
         self.commit_seconds: list[float] = []
+        self.writer: CommitWriter = writer
+        self._process: WriterProcess | None = None
+        if writer == "process":
+            self._process = _start_writer_process(store)
         self._thread = threading.Thread(
             target=self._run, name=f"rolloutlog-commit-{run_id}", daemon=True
         )
@@ -156,13 +173,18 @@ class GroupCommitter:
         return await fut
 
     def close(self, *, flush: bool = True) -> None:
-        """Stop the writer thread, first making everything submitted durable (by default)."""
-        if flush and self._error is None and not self._closed:
-            self.flush()
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-        self._thread.join()
+        """Stop the writer thread (and process), first making everything submitted
+        durable (by default); a failed flush still stops them, then raises."""
+        try:
+            if flush and self._error is None and not self._closed:
+                self.flush()
+        finally:
+            with self._cv:
+                self._closed = True
+                self._cv.notify_all()
+            self._thread.join()
+            if self._process is not None:
+                self._process.close()
 
     def _raise_if_unusable(self) -> None:
         if self._error is not None:
@@ -231,7 +253,8 @@ class GroupCommitter:
                 first = self._queued_from
                 self._queued_from += len(batch)
             started = time.perf_counter()
-            last = self.store.append(
+            append = self.store.append if self._process is None else self._process.append
+            last = append(
                 self.run_id,
                 batch,
                 expected_seq=first,
@@ -262,6 +285,21 @@ class GroupCommitter:
         for _, loop, fut in waiters:
             with contextlib.suppress(BaseException):  # already failing: wake all we can
                 _notify(loop, _reject, fut, err)
+
+
+def _start_writer_process(store: EventStore) -> WriterProcess:
+    """A writer process on ``store``'s database with ``store``'s indexers."""
+    from .writer_process import WriterProcess
+
+    if not isinstance(store, EventStore):
+        raise StoreError(
+            f"a writer process needs a database another process can open, not {store!r}: "
+            "use writer='thread' with an in-memory store"
+        )
+    if store.readonly:
+        raise StoreError("a writer process cannot append to a store opened read-only")
+    # (EventStore refuses in-memory SQLite URLs: every store URL names a file or server.)
+    return WriterProcess(store.url.render_as_string(hide_password=False), store.indexers)
 
 
 def _notify(

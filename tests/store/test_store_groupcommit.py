@@ -20,12 +20,21 @@ from rolloutlog.eventstore import (
 )
 
 
-@pytest.fixture
-def committers():
-    """Factory of committers, each closed (without flushing) at teardown."""
+@pytest.fixture(params=["thread", "process"])
+def committers(request: pytest.FixtureRequest):
+    """Factory of committers, each closed (without flushing) at teardown.
+
+    Every test runs with appends on the committer's thread and in a writer process
+    (writer_process.py); the second skips where the test wraps the store to intercept
+    its appends in this process, or runs on the memory store (no other process sees it).
+    """
+    writer = request.param
     made: list[GroupCommitter] = []
 
     def _make(store: EventStore, run_id: str = "r1", **kw: object) -> GroupCommitter:
+        if writer == "process" and not isinstance(store, EventStore):
+            pytest.skip(f"{type(store).__name__} lives in this process only")
+        kw.setdefault("writer", writer)
         kw.setdefault("epoch", 1)
         kw.setdefault("next_seq", store.last_seq(run_id) + 1)
         gc = GroupCommitter(store, run_id, **kw)  # type: ignore[arg-type]
