@@ -131,16 +131,7 @@ async def train(args: argparse.Namespace) -> int:
                 await runtime.sync_weights(trainer.named_weights(), version)
             for step in range(controller.state.train_step, args.steps):
                 batch = await runtime.next_batch(step)
-                samples = [
-                    TrainSample(
-                        group_id=s.group_id,
-                        prompt_token_ids=s.prompt_token_ids,
-                        completion_token_ids=s.completion_token_ids,
-                        old_logprobs=s.old_logprobs,
-                        reward=s.reward,
-                    )
-                    for s in batch.samples
-                ]
+                samples = [TrainSample.from_rollout(s) for s in batch.samples]
                 stats = await asyncio.to_thread(trainer.train_step, samples)
                 version = step + 1
                 await runtime.report_trained(step, version)

@@ -41,14 +41,11 @@ import math
 import os
 import platform
 import queue
-import shutil
 import statistics
-import tempfile
 import threading
 import time
 import tracemalloc
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -84,6 +81,8 @@ from rolloutlog.controller.rollout_controller import (
 )
 from rolloutlog.controller.rollout_index import attach, encode
 from rolloutlog.eventstore import EventStore, NewEvent
+
+from ._common import scratch_dir
 
 #: The issue's targets: (comparison, bound) per ratio.
 TARGETS: dict[str, tuple[str, float]] = {
@@ -199,19 +198,6 @@ def machine_info() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "loadavg_1_5_15": [round(x, 2) for x in load] if load else None,
     }
-
-
-@contextmanager
-def workdir(parent: Path | None, keep: bool) -> Iterator[Path]:
-    """A scratch folder for the benchmark's SQLite files (removed unless ``keep``)."""
-    if parent is not None:
-        parent.mkdir(parents=True, exist_ok=True)
-    path = Path(tempfile.mkdtemp(prefix="rolloutlog-bench-domain-", dir=parent))
-    try:
-        yield path
-    finally:
-        if not keep:
-            shutil.rmtree(path, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------- memory size
@@ -1114,7 +1100,7 @@ def run_domain_benchmark(
         "parts": list(parts),
     }
     ratios: dict[str, float | None] = dict.fromkeys(TARGETS)
-    with workdir(db_dir, keep_files) as root:
+    with scratch_dir(db_dir, keep_files, prefix="rolloutlog-bench-domain-") as root:
         result["workdir"] = str(root) if keep_files else None
         if "checkpoint" in parts:
             result["checkpoint"] = bench_checkpoint(root, sizes, progress)

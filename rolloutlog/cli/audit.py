@@ -22,6 +22,8 @@ from rich.text import Text
 from rolloutlog.controller.sql_audit import DEFAULT_LIMIT, DEFAULT_TIMEOUT_S, QueryResult, SqlAudit
 from rolloutlog.eventstore import StoreError
 
+from ._options import flag, json_option, run_option, seconds_option, shown
+
 _INT = re.compile(r"^-?\d+$")
 
 #: Columns that the views hold as booleans (SQLite stores them as 1 / 0).
@@ -137,13 +139,13 @@ def _print(result: QueryResult, title: str, as_json: bool, *, events: bool = Fal
 
 @click.command()
 @click.argument("db_url")
-@click.option("--run", "run_id", help="Run id (default: the database's only run).")
+@run_option("Run id (default: the database's only run).")
 @click.option("--prompt", "prompt_index", type=int, help="Every event about prompt IDX.")
 @click.option("--group", "group_id", type=int, help="Every event about group G.")
 @click.option("--step", "train_step", type=int, help="The batch of train step N.")
-@click.option("--dropped", is_flag=True, help="Prompts dropped or evicted, and why.")
-@click.option("--staleness", is_flag=True, help="Staleness (and mean reward) per step.")
-@click.option("--recovery", is_flag=True, help="What each restore recovered.")
+@flag("--dropped", "Prompts dropped or evicted, and why.")
+@flag("--staleness", "Staleness (and mean reward) per step.")
+@flag("--recovery", "What each restore recovered.")
 @click.option(
     "--sql",
     help="A read-only SELECT/WITH query over the views ('-' reads it from stdin); "
@@ -156,29 +158,17 @@ def _print(result: QueryResult, title: str, as_json: bool, *, events: bool = Fal
     metavar="NAME=VALUE",
     help="Bind :NAME in --sql (integers are bound as integers, other values as text).",
 )
-@click.option(
-    "--limit",
-    type=click.IntRange(1),
-    default=DEFAULT_LIMIT,
-    show_default=True,
-    help="Most rows printed.",
+@shown("--limit", type=click.IntRange(1), default=DEFAULT_LIMIT, help="Most rows printed.")
+@seconds_option(
+    "--timeout", "timeout_s", default=DEFAULT_TIMEOUT_S, help="Seconds a query may run."
 )
-@click.option(
-    "--timeout",
-    "timeout_s",
-    type=click.FloatRange(0, min_open=True),
-    default=DEFAULT_TIMEOUT_S,
-    show_default=True,
-    help="Seconds a query may run.",
-)
-@click.option(
+@flag(
     "--allow-privileged-role",
-    is_flag=True,
-    help="PostgreSQL: run --sql even though the URL's role can write, create roles or is "
+    "PostgreSQL: run --sql even though the URL's role can write, create roles or is "
     "a superuser (still one statement in a read-only transaction with the timeout). "
     "Without it --sql needs a reader role: rolloutlog db create-reader.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON list of row objects.")
+@json_option("Print a JSON list of row objects.")
 def audit(
     db_url: str,
     run_id: str | None,

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import click
 
+from ._options import db_dir_option, flag, json_option, shown
+
 
 @click.group()
 def bench() -> None:
@@ -25,35 +27,23 @@ def _sizes(text: str) -> list[int]:
 
 
 @bench.command("store")
-@click.option("--events", default=200_000, show_default=True, help="Events per system.")
-@click.option("--batch", default=1_000, show_default=True, help="Events per transaction.")
-@click.option("--page-size", default=2_000, show_default=True, help="Rows per read page.")
-@click.option(
-    "--repeat", default=3, show_default=True, help="Runs per system (or window); best counts."
-)
-@click.option(
-    "--db-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Folder for the SQLite files (default: the system temp folder).",
-)
-@click.option("--keep-files", is_flag=True, help="Keep the SQLite files after the run.")
-@click.option(
+@shown("--events", default=200_000, help="Events per system.")
+@shown("--batch", default=1_000, help="Events per transaction.")
+@shown("--page-size", default=2_000, help="Rows per read page.")
+@shown("--repeat", default=3, help="Runs per system (or window); best counts.")
+@db_dir_option("Folder for the SQLite files (default: the system temp folder).")
+@flag("--keep-files", "Keep the SQLite files after the run.")
+@flag(
     "--scale",
-    is_flag=True,
-    help="Instead: append rate of the last --scale-window appends into logs of --scale-sizes.",
+    "Instead: append rate of the last --scale-window appends into logs of --scale-sizes.",
 )
-@click.option(
-    "--scale-sizes",
-    default="100000,10000000",
-    show_default=True,
-    help="Log sizes N for --scale (comma-separated).",
+@shown(
+    "--scale-sizes", default="100000,10000000", help="Log sizes N for --scale (comma-separated)."
 )
-@click.option("--scale-window", default=100_000, show_default=True, help="Appends measured.")
-@click.option(
+@shown("--scale-window", default=100_000, help="Appends measured.")
+@shown(
     "--scale-slices",
     default=10,
-    show_default=True,
     help="The window is appended in this many slices alternating between the logs.",
 )
 @click.option(
@@ -63,7 +53,7 @@ def _sizes(text: str) -> list[int]:
     help="Instead: PostgreSQL mode on this database (postgresql+psycopg://...): rolloutlog's "
     "append against raw psycopg COPY into the same table, and append-to-LISTEN latency.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@json_option()
 def store(
     db_url: str | None,
     events: int,

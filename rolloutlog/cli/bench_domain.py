@@ -10,9 +10,14 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+from ._options import db_dir_option, flag, json_option, optional_int
 
 _PARTS = ("checkpoint", "restore", "memory", "loop")
 
@@ -40,19 +45,30 @@ def _fmt_ratio(x: float | None) -> str:
     return "-" if x is None else (f"{x:.1f}" if x >= 10 else f"{x:.2f}")
 
 
+def _table(title: str, *column_rows: tuple[str, ...], left: str | None = None) -> Table:
+    """A rich table of ``column_rows``' columns, right-aligned but for ``left``."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in (col for row in column_rows for col in row):
+        table.add_column(col, justify="left" if col == left else "right")
+    return table
+
+
 def print_report(result: dict[str, Any]) -> None:
     """Rich tables of the ratios and the raw numbers behind them."""
     from rich.console import Console
-    from rich.table import Table
 
     from rolloutlog.bench.domain_bench import size_label
 
     console = Console()
     if not console.is_terminal:
         console = Console(width=150)
-    ratios = Table(title="rolloutlog bench domain: ratios (same run, same machine)")
-    for col in ("ratio", "value", "target", "met"):
-        ratios.add_column(col, justify="left" if col == "ratio" else "right")
+    ratios = _table(
+        "rolloutlog bench domain: ratios (same run, same machine)",
+        ("ratio", "value", "target", "met"),
+        left="ratio",
+    )
     for name, value in result["ratios"].items():
         target = result["targets"].get(name)
         met = None if target is None else target["met"]
@@ -76,17 +92,11 @@ def print_report(result: dict[str, Any]) -> None:
 
     ckpt = result.get("checkpoint")
     if ckpt:
-        table = Table(title="checkpoint() vs full-state snapshot (SQLite)")
-        for col in (
-            "ready groups",
-            "log events",
-            "checkpoint p50",
-            "checkpoint p90",
-            "checkpoint max",
-            "snapshot p50",
-            "snapshot size",
-        ):
-            table.add_column(col, justify="right")
+        table = _table(
+            "checkpoint() vs full-state snapshot (SQLite)",
+            ("ready groups", "log events", "checkpoint p50", "checkpoint p90"),
+            ("checkpoint max", "snapshot p50", "snapshot size"),
+        )
         for label in ("small", "large"):
             row = ckpt[label]
             table.add_row(
@@ -102,19 +112,11 @@ def print_report(result: dict[str, Any]) -> None:
 
     restore = result.get("restore")
     if restore:
-        table = Table(title="RolloutController.restore (newest snapshot + tail)")
-        for col in (
-            "log events",
-            "db size",
-            "generated in",
-            "snapshots",
-            "events replayed",
-            "restore p50",
-            "replay p50",
-            "live groups",
-            "invariants",
-        ):
-            table.add_column(col, justify="right")
+        table = _table(
+            "RolloutController.restore (newest snapshot + tail)",
+            ("log events", "db size", "generated in", "snapshots", "events replayed"),
+            ("restore p50", "replay p50", "live groups", "invariants"),
+        )
         for label in ("small", "large"):
             row = restore[label]
             log = row["log"]
@@ -133,9 +135,11 @@ def print_report(result: dict[str, Any]) -> None:
 
     memory = result.get("memory")
     if memory:
-        table = Table(title="state memory (tracemalloc) against live groups and history")
-        for col in ("case", "steps", "events", "live groups", "state", "per live group"):
-            table.add_column(col, justify="left" if col == "case" else "right")
+        table = _table(
+            "state memory (tracemalloc) against live groups and history",
+            ("case", "steps", "events", "live groups", "state", "per live group"),
+            left="case",
+        )
         for case in ("base", "history_x10", "live_x10"):
             row = memory[case]
             table.add_row(
@@ -173,71 +177,45 @@ def print_report(result: dict[str, Any]) -> None:
 
 
 @click.command("domain")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (ratios + raw).")
-@click.option(
-    "--small",
-    is_flag=True,
-    help="Smaller sizes for a quick run: 10k vs 100 groups, 200k vs 20k events.",
-)
-@click.option(
+@json_option("Print one JSON object (ratios + raw).")
+@flag("--small", "Smaller sizes for a quick run: 10k vs 100 groups, 200k vs 20k events.")
+@optional_int(
     "--events",
-    type=click.IntRange(min=1000),
-    default=None,
+    minimum=1000,
     help="Events in the large restore log (default 10,000,000; --small: 200,000).",
 )
-@click.option(
+@optional_int(
     "--baseline-events",
-    type=click.IntRange(min=100),
-    default=None,
+    minimum=100,
     help="Events in the baseline restore log (default 100,000; --small: 20,000).",
 )
-@click.option(
+@optional_int(
     "--snapshot-interval",
-    type=click.IntRange(min=2),
-    default=None,
+    minimum=2,
     help="Events between snapshots in the restore logs (default 50,000; the restored "
     "checkpoint lies half an interval after the newest snapshot).",
 )
-@click.option(
+@optional_int(
     "--checkpoint-groups",
-    type=click.IntRange(min=1),
-    default=None,
+    minimum=1,
     help="Ready groups in the large checkpoint state (default 100,000).",
 )
-@click.option(
+@optional_int(
     "--baseline-groups",
-    type=click.IntRange(min=1),
-    default=None,
+    minimum=1,
     help="Ready groups in the baseline checkpoint state (default 1,000).",
 )
-@click.option(
-    "--repeats",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Checkpoints timed per state (default 31).",
+@optional_int("--repeats", minimum=1, help="Checkpoints timed per state (default 31).")
+@optional_int("--restore-repeats", minimum=1, help="Restores timed per log (default 3).")
+@optional_int(
+    "--groups-per-step", minimum=1, help="Prompts per step of the generated run (default 64)."
 )
-@click.option(
-    "--restore-repeats",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Restores timed per log (default 3).",
+@optional_int(
+    "--group-size", minimum=1, help="Siblings per prompt of the generated run (default 16)."
 )
-@click.option(
-    "--groups-per-step",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Prompts per step of the generated run (default 64).",
-)
-@click.option(
-    "--group-size",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Siblings per prompt of the generated run (default 16).",
-)
-@click.option(
+@optional_int(
     "--memory-steps",
-    type=click.IntRange(min=1),
-    default=None,
+    minimum=1,
     help="Training steps of the memory benchmark's base case (default 10; --small: 4).",
 )
 @click.option(
@@ -247,20 +225,14 @@ def print_report(result: dict[str, Any]) -> None:
     multiple=True,
     help="Run only these parts (repeatable); default: all four.",
 )
-@click.option(
+@flag(
     "--full-replay-check",
-    is_flag=True,
-    help="Also replay each generated log from its first event without snapshots and "
+    "Also replay each generated log from its first event without snapshots and "
     "compare with the generator's fold (slow at 10M).",
 )
-@click.option(
-    "--db-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Folder for the benchmark's SQLite files (default: the system temp folder).",
-)
-@click.option("--keep", is_flag=True, help="Keep the SQLite files after the run.")
-@click.option("--check", is_flag=True, help="Exit with status 1 when a target is missed.")
+@db_dir_option("Folder for the benchmark's SQLite files (default: the system temp folder).")
+@flag("--keep", "Keep the SQLite files after the run.")
+@flag("--check", "Exit with status 1 when a target is missed.")
 def domain(
     as_json: bool,
     small: bool,

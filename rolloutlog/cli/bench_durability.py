@@ -8,33 +8,32 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from ._options import flag, json_option, picked, shown
+
 
 @click.command("durability")
-@click.option("--groups", default=10_000, show_default=True, type=click.IntRange(64))
-@click.option("--groups-per-step", default=64, show_default=True, type=click.IntRange(1))
-@click.option(
+@shown("--groups", default=10_000, type=click.IntRange(64))
+@shown("--groups-per-step", default=64, type=click.IntRange(1))
+@shown(
     "--latency",
     default=0.0,
-    show_default=True,
     type=click.FloatRange(0),
     help="Seconds the test backend spends per request (0: pure bookkeeping, the worst case).",
 )
-@click.option("--repeats", default=3, show_default=True, type=click.IntRange(1))
-@click.option(
+@shown("--repeats", default=3, type=click.IntRange(1))
+@shown(
     "--synchronous",
     type=click.Choice(["FULL", "NORMAL"]),
     default="FULL",
-    show_default=True,
     help="SQLite synchronous level of the log (FULL is rolloutlog's default).",
 )
-@click.option(
+@flag(
     "--busy-trainer",
-    is_flag=True,
-    help="Also measure the commit thread's time per event while the main thread trains a "
+    "Also measure the commit thread's time per event while the main thread trains a "
     "small torch model, against the same submissions with the main thread asleep "
     "(ratio commit_busy_vs_idle).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@json_option()
 def durability(
     groups: int,
     groups_per_step: int,
@@ -51,11 +50,7 @@ def durability(
     from rolloutlog.bench.durability_bench import run_busy_trainer_bench, run_durability_bench
 
     result = run_durability_bench(
-        groups=groups,
-        groups_per_step=groups_per_step,
-        latency=latency,
-        repeats=repeats,
-        synchronous=synchronous,
+        **picked("groups", "groups_per_step", "latency", "repeats", "synchronous")
     )
     if busy_trainer:
         result["busy_trainer"] = run_busy_trainer_bench(repeats=repeats)

@@ -11,18 +11,16 @@ import sys
 
 import click
 
+from ._options import json_option, picked, shown
+
 
 @click.command("fleet")
-@click.option("--max-engines", default=8, show_default=True, type=click.IntRange(min=2))
-@click.option(
-    "--latency", default=0.2, show_default=True, help="Seconds per request on a fake engine."
-)
-@click.option(
-    "--capacity", default=4, show_default=True, help="Requests one fake engine serves at once."
-)
-@click.option("--rounds", default=10, show_default=True, help="Offered load: rounds of requests.")
-@click.option("--overhead-requests", default=400, show_default=True)
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@shown("--max-engines", default=8, type=click.IntRange(min=2))
+@shown("--latency", default=0.2, help="Seconds per request on a fake engine.")
+@shown("--capacity", default=4, help="Requests one fake engine serves at once.")
+@shown("--rounds", default=10, help="Offered load: rounds of requests.")
+@shown("--overhead-requests", default=400)
+@json_option()
 def fleet(
     max_engines: int,
     latency: float,
@@ -38,13 +36,7 @@ def fleet(
         raise click.BadParameter(
             "need --latency > 0, --capacity >= 1, --rounds >= 1, --overhead-requests >= 8"
         )
-    result = main(
-        max_engines=max_engines,
-        latency=latency,
-        capacity=capacity,
-        rounds=rounds,
-        overhead_requests=overhead_requests,
-    )
+    result = main(**picked("max_engines", "latency", "capacity", "rounds", "overhead_requests"))
     if as_json:
         json.dump(result, sys.stdout)
         sys.stdout.write("\n")

@@ -13,31 +13,27 @@ from pathlib import Path
 
 import click
 
+from ._options import db_dir_option, flag, json_option, shown
+
 
 @click.command("scale")
-@click.option("--events", default=10_000_000, show_default=True, help="Events in the large log.")
-@click.option(
-    "--baseline-events", default=100_000, show_default=True, help="Events in the baseline log."
-)
-@click.option("--window", default=100_000, show_default=True, help="Appends measured per log.")
-@click.option("--batch", default=2_000, show_default=True, help="Events per append transaction.")
-@click.option("--lookups", default=200, show_default=True, help="Random lookups of each kind.")
-@click.option(
+@shown("--events", default=10_000_000, help="Events in the large log.")
+@shown("--baseline-events", default=100_000, help="Events in the baseline log.")
+@shown("--window", default=100_000, help="Appends measured per log.")
+@shown("--batch", default=2_000, help="Events per append transaction.")
+@shown("--lookups", default=200, help="Random lookups of each kind.")
+@shown(
     "--view-repeats",
     default=2,
-    show_default=True,
     help="Runs of the slow view-based queries (the 'before' numbers); 0 skips them.",
 )
-@click.option("--restore-repeats", default=3, show_default=True, help="Restores timed per log.")
-@click.option(
-    "--db-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Folder for the generated logs, kept and reused across runs "
-    "(default: <temp>/rolloutlog-bench-scale).",
+@shown("--restore-repeats", default=3, help="Restores timed per log.")
+@db_dir_option(
+    "Folder for the generated logs, kept and reused across runs "
+    "(default: <temp>/rolloutlog-bench-scale)."
 )
-@click.option("--fresh", is_flag=True, help="Regenerate the logs even if --db-dir holds them.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@flag("--fresh", "Regenerate the logs even if --db-dir holds them.")
+@json_option()
 def scale(
     events: int,
     baseline_events: int,

@@ -11,6 +11,7 @@ from rolloutlog.controller.rollout_index import TABLE as ROLLOUT_INDEX_TABLE
 from rolloutlog.eventstore import Snapshot, StoreError
 from rolloutlog.eventstore.compaction import CompactionPlan
 
+from ._options import flag, json_option, run_option
 from .common import open_store, pick_run
 
 
@@ -72,7 +73,7 @@ def _print_plan(plan: CompactionPlan) -> None:
 
 @click.command("compact")
 @click.argument("db")
-@click.option("--run", "run_id", default=None, help="Run id (default: the newest run).")
+@run_option("Run id (default: the newest run).")
 @click.option(
     "--before",
     "before",
@@ -86,8 +87,8 @@ def _print_plan(plan: CompactionPlan) -> None:
     default=None,
     help="Export every removed row to this JSONL file first (must not exist).",
 )
-@click.option("--dry-run", is_flag=True, help="Report what would be removed; change nothing.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@flag("--dry-run", "Report what would be removed; change nothing.")
+@json_option()
 def compact(
     db: str, run_id: str | None, before: int, archive: Path | None, dry_run: bool, as_json: bool
 ) -> None:

@@ -30,6 +30,8 @@ from rolloutlog.eventstore.errors import SchemaMismatchError, StoreError
 from rolloutlog.eventstore.schema import metadata
 from rolloutlog.eventstore.store import EventStore, normalise_url
 
+from ._options import flag, json_option, seconds_option, shown
+
 #: Exit status when the schema is not the one asked for (the database itself is fine).
 EXIT_SCHEMA = 1
 #: Exit status when the command could not run at all.
@@ -123,10 +125,8 @@ def db() -> None:
 
 @db.command()
 @click.argument("url")
-@click.option(
-    "--revision", default="head", show_default=True, help="Alembic revision to upgrade to."
-)
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@shown("--revision", default="head", help="Alembic revision to upgrade to.")
+@json_option()
 def upgrade(url: str, revision: str, as_json: bool) -> None:
     """Upgrade the schema at URL to the newest revision (creates it on an empty database).
 
@@ -171,7 +171,7 @@ def upgrade(url: str, revision: str, as_json: bool) -> None:
 
 @db.command()
 @click.argument("url")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@json_option()
 def check(url: str, as_json: bool) -> None:
     """Exit 0 if the schema at URL is at this rolloutlog's head revision, printing it.
 
@@ -207,8 +207,8 @@ def check(url: str, as_json: bool) -> None:
 @db.command()
 @click.argument("url")
 @click.argument("revision")
-@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@flag("--yes", "Do not ask for confirmation.")
+@json_option()
 def downgrade(url: str, revision: str, yes: bool, as_json: bool) -> None:
     """Downgrade the schema at URL to REVISION (``base`` drops every rolloutlog table).
 
@@ -372,15 +372,13 @@ def _setup_reader(
     metavar="VAR",
     help="Set the role's password from environment variable VAR (never on the command line).",
 )
-@click.option(
+@seconds_option(
     "--statement-timeout",
     "timeout_s",
-    type=click.FloatRange(0, min_open=True),
     default=DEFAULT_TIMEOUT_S,
-    show_default=True,
     help="statement_timeout of the role's sessions, in seconds.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@json_option()
 def create_reader(
     url: str, role: str, password_env: str | None, timeout_s: float, as_json: bool
 ) -> None:

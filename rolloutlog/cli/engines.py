@@ -10,11 +10,21 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import click
 
+from ._options import F, json_option, picked, shown
+
 _STATE = Path(".rolloutlog-engines.json")
+
+
+def _state_file_option(help: str | None = None) -> Callable[[F], F]:
+    """``--state-file``: where ``engines start`` records the engines ``engines stop`` stops."""
+    return shown(
+        "--state-file", type=click.Path(dir_okay=False, path_type=Path), default=_STATE, help=help
+    )
 
 
 @click.group()
@@ -23,7 +33,7 @@ def engines() -> None:
 
 
 @engines.command("start")
-@click.option("--count", default=2, show_default=True, type=click.IntRange(min=1))
+@shown("--count", default=2, type=click.IntRange(min=1))
 @click.option(
     "--model",
     "model_dir",
@@ -31,24 +41,18 @@ def engines() -> None:
     type=click.Path(file_okay=False, path_type=Path),
     help="Local model directory every engine serves.",
 )
-@click.option("--port-base", default=8100, show_default=True, help="Engine i gets port_base+i.")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--max-model-len", default=128, show_default=True, type=click.IntRange(min=1))
-@click.option("--dtype", default="float32", show_default=True)
-@click.option("--seed", default=0, show_default=True)
-@click.option("--ready-timeout", default=300.0, show_default=True, help="Seconds to /health 200.")
+@shown("--port-base", default=8100, help="Engine i gets port_base+i.")
+@shown("--host", default="127.0.0.1")
+@shown("--max-model-len", default=128, type=click.IntRange(min=1))
+@shown("--dtype", default="float32")
+@shown("--seed", default=0)
+@shown("--ready-timeout", default=300.0, help="Seconds to /health 200.")
 @click.option(
     "--log-dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="Engine logs."
 )
-@click.option(
-    "--state-file",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=_STATE,
-    show_default=True,
-    help="Where the started engines are recorded (for `engines stop`).",
-)
+@_state_file_option(help="Where the started engines are recorded (for `engines stop`).")
 @click.option("--engine-arg", "extra_args", multiple=True, help="Extra api_server argument.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@json_option()
 def start(
     count: int,
     model_dir: Path,
@@ -75,18 +79,11 @@ def start(
             f"--state-file {state_file}` first"
         )
     try:
-        config = LaunchConfig(
-            count=count,
-            model_dir=model_dir,
-            host=host,
-            port_base=port_base,
-            max_model_len=max_model_len,
-            dtype=dtype,
-            seed=seed,
-            ready_timeout_s=ready_timeout,
-            log_dir=log_dir,
-            extra_args=extra_args,
-        )
+        launch = picked(
+            "count", "model_dir", "host", "port_base", "max_model_len", "dtype", "seed", "log_dir",
+            "extra_args",
+        )  # fmt: skip
+        config = LaunchConfig(**launch, ready_timeout_s=ready_timeout)
         launcher = LocalEngineLauncher(config)
         launcher.start(wait=False)
         state_file.write_text(json.dumps(launcher.state(), indent=2))
@@ -110,12 +107,7 @@ def start(
 
 
 @engines.command("stop")
-@click.option(
-    "--state-file",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=_STATE,
-    show_default=True,
-)
+@_state_file_option()
 def stop(state_file: Path) -> None:
     """Stop the engines recorded in the state file (SIGTERM, then SIGKILL)."""
     from rolloutlog.controller.engines.local import stop_from_state

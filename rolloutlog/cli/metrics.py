@@ -23,6 +23,7 @@ from rich.table import Table
 
 from rolloutlog.eventstore import EventStore, StoreError, normalise_url
 
+from ._options import flag, json_option, optional_int, run_option, shown
 from .common import open_store
 
 _URL_HELP = "DB_URL is sqlite:///PATH or postgresql+psycopg://USER@HOST:PORT/DB."
@@ -53,32 +54,29 @@ def _pick_run(store: EventStore, run_id: str | None) -> str:
 
 @click.command("metrics")
 @click.argument("db_url")
-@click.option("--run", "run_id", default=None, help="Run id (default: the most recent run).")
-@click.option(
+@run_option("Run id (default: the most recent run).")
+@optional_int(
     "--from",
     "from_seq",
-    type=click.IntRange(1),
-    default=None,
+    minimum=1,
     help="First offset of the range: counters, histograms and series count only events "
     "from here on (gauges are always the values at the range's end).",
 )
-@click.option(
+@optional_int(
     "--to",
     "to_seq",
-    type=click.IntRange(1),
-    default=None,
+    minimum=1,
     help="Last offset of the range (default: the end of the current history). An offset a "
     "restore abandoned gives the history of that branch.",
 )
-@click.option(
+@shown(
     "--steps",
     "step_rows",
     type=click.IntRange(0),
     default=20,
-    show_default=True,
     help="Rows of the per-step table (the newest ones; 0: all). JSON always has all.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@json_option()
 def metrics(
     db_url: str,
     run_id: str | None,
@@ -259,37 +257,33 @@ def _print(console: Console, v: dict[str, Any], step_rows: int) -> None:
 
 @click.command("serve-metrics")
 @click.argument("db_url")
-@click.option(
+@shown(
     "--port",
     type=click.IntRange(0, 65535),
     default=9400,
-    show_default=True,
     help="HTTP port (0: any free port, printed at start).",
 )
-@click.option("--host", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@shown("--host", default="0.0.0.0", help="Address to listen on.")
 @click.option(
     "--run",
     "run_ids",
     multiple=True,
     help="Run id; repeat for several runs (default: the most recent run).",
 )
-@click.option(
+@flag(
     "--all-runs",
-    is_flag=True,
-    help="Serve every run of the log (the newest --max-runs), runs created later included.",
+    "Serve every run of the log (the newest --max-runs), runs created later included.",
 )
-@click.option(
+@shown(
     "--max-runs",
     type=click.IntRange(1),
     default=20,
-    show_default=True,
     help="With --all-runs: serve at most this many runs, the newest ones.",
 )
-@click.option(
+@shown(
     "--interval",
     type=click.FloatRange(min=0.05),
     default=2.0,
-    show_default=True,
     help="Seconds between polls of the log.",
 )
 def serve_metrics(

@@ -13,6 +13,7 @@ from rich.text import Text
 
 from rolloutlog.eventstore import StoreError
 
+from ._options import flag, json_option, optional_int, run_option
 from .common import open_store, pick_run
 
 
@@ -23,11 +24,18 @@ def _target(spec: str) -> tuple[str, int]:
     return kind, int(value)
 
 
+def _outcome(run_id: str, result: Any, *fields: str) -> tuple[dict[str, Any], bool]:
+    """A check's JSON: the run id and ``result``'s ``fields``, and whether the last of
+    them (the violation or mismatch found, if any) is set."""
+    out: dict[str, Any] = {"run_id": run_id, **{f: getattr(result, f) for f in fields}}
+    return out, out[fields[-1]] is not None
+
+
 @click.command()
 @click.argument("db_url")
-@click.option("--run", "run_id", default=None, help="Run id (default: the newest run).")
-@click.option("--to", "to_seq", type=click.IntRange(0), default=None, help="Offset to stop at.")
-@click.option("--check", is_flag=True, help="Check every invariant after every decision.")
+@run_option("Run id (default: the newest run).")
+@optional_int("--to", "to_seq", minimum=0, help="Offset to stop at.")
+@flag("--check", "Check every invariant after every decision.")
 @click.option(
     "--diff",
     nargs=2,
@@ -43,12 +51,8 @@ def _target(spec: str) -> tuple[str, int]:
     metavar="group:ID|prompt:IDX",
     help="The full history of one group or prompt.",
 )
-@click.option(
-    "--verify-decisions",
-    is_flag=True,
-    help="Re-run every recorded decision and report the first that differs.",
-)
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@flag("--verify-decisions", "Re-run every recorded decision and report the first that differs.")
+@json_option("Machine-readable output.")
 def replay(
     db_url: str,
     run_id: str | None,
@@ -74,13 +78,7 @@ def replay(
         out: dict[str, Any]
         if check:
             res = rt.check_history(store, rid, to_seq)
-            out = {
-                "run_id": rid,
-                "events_checked": res.events_checked,
-                "decisions_checked": res.decisions_checked,
-                "violation": res.violation,
-            }
-            failed = res.violation is not None
+            out, failed = _outcome(rid, res, "events_checked", "decisions_checked", "violation")
         elif diff is not None:
             out = rt.diff_states(rt.state_at(store, rid, diff[0]), rt.state_at(store, rid, diff[1]))
         elif explain_spec is not None:
@@ -93,13 +91,7 @@ def replay(
             out = {"run_id": rid, "target": explain_spec, "events": events}
         elif verify_decisions:
             v = rt.verify_decisions(store, rid, to_seq)
-            out = {
-                "run_id": rid,
-                "decisions_verified": v.decisions_verified,
-                "decisions_skipped": v.decisions_skipped,
-                "mismatch": v.mismatch,
-            }
-            failed = v.mismatch is not None
+            out, failed = _outcome(rid, v, "decisions_verified", "decisions_skipped", "mismatch")
         else:
             out = rt.state_summary(rt.state_at(store, rid, to_seq))
     except (StoreError, DomainError, ValueError) as exc:

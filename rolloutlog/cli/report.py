@@ -8,18 +8,18 @@ import click
 
 from rolloutlog.eventstore import StoreError
 
+from ._options import run_option, shown
 from .common import open_store
 from .metrics import _pick_run
 
 
 @click.command("report")
 @click.argument("db_url")
-@click.option("--run", "run_id", default=None, help="Run id (default: the most recent run).")
-@click.option(
+@run_option("Run id (default: the most recent run).")
+@shown(
     "--out",
     type=click.Path(dir_okay=False, writable=True, path_type=Path),
     default=Path("report.html"),
-    show_default=True,
     help="The HTML file to write.",
 )
 def report(db_url: str, run_id: str | None, out: Path) -> None:

@@ -340,16 +340,7 @@ async def run_training(
                     emit({"event": "data_exhausted", "step": step, "message": stopped})
                     break
                 last = step + 1
-                samples = [
-                    TrainSample(
-                        group_id=s.group_id,
-                        prompt_token_ids=s.prompt_token_ids,
-                        completion_token_ids=s.completion_token_ids,
-                        old_logprobs=s.old_logprobs,
-                        reward=s.reward,
-                    )
-                    for s in batch.samples
-                ]
+                samples = [TrainSample.from_rollout(s) for s in batch.samples]
                 # An empty batch (every group of the step dropped, recorded as shortfall)
                 # still advances the step and the weight version; it just trains nothing.
                 stats = await asyncio.to_thread(trainer.train_step, samples) if samples else None

@@ -21,13 +21,16 @@ import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from rolloutlog.controller.backends.base import SiblingResult
+
+if TYPE_CHECKING:
+    from rolloutlog.controller.rollout_runtime import RolloutSample
 
 
 class GRPOConfig(BaseModel):
@@ -82,6 +85,17 @@ class TrainSample:
             completion_token_ids=result.token_ids,
             old_logprobs=result.logprobs,
             reward=float(reward),
+        )
+
+    @classmethod
+    def from_rollout(cls, sample: RolloutSample) -> TrainSample:
+        """The sample of one sibling of a durable batch (``RolloutRuntime.next_batch``)."""
+        return cls(
+            sample.group_id,
+            sample.prompt_token_ids,
+            sample.completion_token_ids,
+            sample.old_logprobs,
+            sample.reward,
         )
 
 
