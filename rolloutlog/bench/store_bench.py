@@ -35,14 +35,11 @@ import gc
 import json
 import os
 import platform
-import shutil
 import sqlite3
-import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from importlib import metadata as importlib_metadata
@@ -58,6 +55,8 @@ from rolloutlog.controller.rollout_index import rollout_index as rollout_index_t
 from rolloutlog.eventstore import EventCodec, EventModel, EventStore, GroupCommitter
 from rolloutlog.eventstore.schema import events as events_table
 from rolloutlog.eventstore.store import DEFAULT_SQLITE_SYNCHRONOUS
+
+from ._common import scratch_dir
 
 #: The issue's targets for the ratios (rolloutlog ÷ baseline, events per second).
 TARGETS: dict[str, float] = {
@@ -266,6 +265,14 @@ class _Stopwatch:
         self.cpu = time.process_time() - self._cpu0
 
 
+def _check_read_back(
+    system: str, n: int, count: int, first_last: tuple[Any, Any], written: Sequence[Any]
+) -> None:
+    """Every event read back, and the first and last equal to what was written."""
+    _check(system, f"read {count} events, wrote {n}", count == n)
+    _check(system, "first/last event differ", n == 0 or first_last == (written[0], written[-1]))
+
+
 def _sqlite_settings(conn: sqlite3.Connection) -> dict[str, Any]:
     names = {0: "OFF", 1: "NORMAL", 2: "FULL", 3: "EXTRA"}
     sync = conn.execute("PRAGMA synchronous").fetchone()[0]
@@ -349,10 +356,7 @@ def bench_raw_sqlite(
                 count += 1
     finally:
         conn.close()
-    _check("raw_sqlite3", f"read {count} events, wrote {n}", count == n)
-    _check(
-        "raw_sqlite3", "first/last event differ", n == 0 or (first, last) == (dicts[0], dicts[-1])
-    )
+    _check_read_back("raw_sqlite3", n, count, (first, last), dicts)
     return Measured.of(
         n,
         append_clock,
@@ -631,12 +635,8 @@ def bench_eventsourcing(
                 after = page[-1].originator_version
     finally:
         datastore.close()
-    name = f"eventsourcing ({recorder_kind} recorder)"
-    _check(name, f"read {count} events, wrote {n}", count == n)
-    _check(
-        name,
-        "first/last event differ",
-        n == 0 or (first, last_event) == (domain_events[0], domain_events[-1]),
+    _check_read_back(
+        f"eventsourcing ({recorder_kind} recorder)", n, count, (first, last_event), domain_events
     )
     return Measured.of(
         n,
@@ -712,12 +712,7 @@ def bench_rolloutlog(
                 if first is None:
                     first = last_event
                 count += 1
-    _check("rolloutlog", f"read {count} events, wrote {n}", count == n)
-    _check(
-        "rolloutlog",
-        "first/last event differ",
-        n == 0 or (first, last_event) == (models[0], models[-1]),
-    )
+    _check_read_back("rolloutlog", n, count, (first, last_event), models)
     return Measured.of(
         n,
         append_clock,
@@ -796,18 +791,6 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-@contextmanager
-def _workdir(db_dir: Path | None, keep_files: bool) -> Iterator[Path]:
-    if db_dir is not None:
-        db_dir.mkdir(parents=True, exist_ok=True)
-    path = Path(tempfile.mkdtemp(prefix="rolloutlog-bench-", dir=db_dir))
-    try:
-        yield path
-    finally:
-        if not keep_files:
-            shutil.rmtree(path, ignore_errors=True)
-
-
 def _best(samples: Sequence[Measured]) -> Measured:
     """Best of repeated runs, per measure (the runs least disturbed by other load)."""
     first = samples[0]
@@ -877,7 +860,7 @@ def run_store_benchmark(
     names = list(runners)
     samples: dict[str, list[Measured]] = {name: [] for name in names}
     load_before = _load_average()
-    with _workdir(db_dir, keep_files) as work:
+    with scratch_dir(db_dir, keep_files, prefix="rolloutlog-bench-") as work:
         for round_ in range(repeat):
             shift = round_ % len(names)
             for name in names[shift:] + names[:shift]:
@@ -990,7 +973,7 @@ def run_scale_benchmark(
     fills: dict[str, dict[str, Any]] = {}
     clocks: dict[str, list[_Stopwatch]] = {label: [] for label in labels}
     results: dict[str, dict[str, Any]] = {}
-    with _workdir(db_dir, keep_files) as work:
+    with scratch_dir(db_dir, keep_files, prefix="rolloutlog-bench-") as work:
         paths = {label: work / f"scale_{n}.db" for label, n in zip(labels, sizes, strict=True)}
         stores = {label: EventStore.open(f"sqlite:///{paths[label]}") for label in labels}
         try:
