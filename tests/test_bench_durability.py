@@ -36,3 +36,15 @@ def test_busy_trainer_variant_measures_the_same_events_both_ways() -> None:
         data["commit_s_per_event_busy"] / data["commit_s_per_event_idle"]
     )
     assert data["training_step_s"] > 0
+
+
+def test_durability_bench_with_a_writer_process() -> None:
+    result = CliRunner().invoke(
+        main, ["bench", "durability", "--groups", "128", "--groups-per-step", "16",
+               "--repeats", "1", "--commit-writer", "process", "--busy-trainer", "--json"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["commit_writer"] == data["busy_trainer"]["commit_writer"] == "process"
+    assert data["events"] > 128 * 4
+    assert set(data["ratios"]) == {"durability_overhead", "commit_busy_vs_idle"}

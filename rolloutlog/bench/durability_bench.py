@@ -40,7 +40,9 @@ class _Prompts:
         return sum(1 for t in completion_token_ids if t % 2 == 0) / len(completion_token_ids)
 
 
-async def _rollout(store: Any, groups: int, groups_per_step: int, latency: float) -> float:
+async def _rollout(
+    store: Any, groups: int, groups_per_step: int, latency: float, commit_writer: str = "thread"
+) -> float:
     steps = groups // groups_per_step
     rollout = RolloutConfig(
         group_size=4,
@@ -56,7 +58,7 @@ async def _rollout(store: Any, groups: int, groups_per_step: int, latency: float
         rollout,
         dataset_fingerprint="synthetic-v1",
         dataset_size=groups + 4 * groups_per_step,
-        store_config=StoreConfig(snapshot_interval=0),
+        store_config=StoreConfig(snapshot_interval=0, commit_writer=commit_writer),
     )
     backend = DeterministicBackend(vocab_size=64, max_model_len=64, latency=latency)
     rt = RolloutRuntime(
@@ -86,8 +88,12 @@ def run_durability_bench(
     latency: float = 0.0,
     repeats: int = 3,
     synchronous: str = "FULL",
+    commit_writer: str = "thread",
 ) -> dict[str, Any]:
-    """Median wall time of the rollout on SQLite and in memory, and their ratio."""
+    """Median wall time of the rollout on SQLite and in memory, and their ratio.
+
+    ``commit_writer``: where the SQLite run's appends run (``StoreConfig.commit_writer``).
+    """
     sqlite_times: list[float] = []
     memory_times: list[float] = []
     for _ in range(repeats):
@@ -97,7 +103,9 @@ def run_durability_bench(
         with tempfile.TemporaryDirectory() as tmp:
             store = EventStore.open(f"sqlite:///{Path(tmp) / 'bench.db'}?synchronous={synchronous}")
             try:
-                sqlite_times.append(asyncio.run(_rollout(store, groups, groups_per_step, latency)))
+                sqlite_times.append(
+                    asyncio.run(_rollout(store, groups, groups_per_step, latency, commit_writer))
+                )
                 events = store.last_seq("bench")
             finally:
                 store.close()
@@ -107,6 +115,7 @@ def run_durability_bench(
         "groups_per_step": groups_per_step,
         "backend_latency_s": latency,
         "sqlite_synchronous": synchronous,
+        "commit_writer": commit_writer,
         "events": events,
         "sqlite_seconds": sq,
         "memory_seconds": mem,
@@ -126,7 +135,7 @@ def _training_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.
 
 
 def _commit_seconds_per_event(
-    path: Path, rows: Sequence[Any], per_submit: int, pace: Any
+    path: Path, rows: Sequence[Any], per_submit: int, pace: Any, writer: str
 ) -> tuple[float, int]:
     """Submit ``rows`` ``per_submit`` at a time to a fresh log, calling ``pace()`` between
     submits; return the commit thread's seconds per event and the number of commits."""
@@ -137,7 +146,7 @@ def _commit_seconds_per_event(
     try:
         store.create_run("bench")
         attach(store)
-        committer = GroupCommitter(store, "bench", epoch=1, next_seq=1)
+        committer = GroupCommitter(store, "bench", epoch=1, next_seq=1, writer=writer)  # type: ignore[arg-type]
         try:
             for start in range(0, len(rows), per_submit):
                 committer.submit(rows[start : start + per_submit])
@@ -152,7 +161,7 @@ def _commit_seconds_per_event(
 
 
 def run_busy_trainer_bench(
-    *, events: int = 50_000, per_submit: int = 16, repeats: int = 3
+    *, events: int = 50_000, per_submit: int = 16, repeats: int = 3, commit_writer: str = "thread"
 ) -> dict[str, Any]:
     """The commit thread's time per event while the main thread trains, against the same
     submissions paced by sleeping (the GIL free) for as long as a training step takes.
@@ -202,7 +211,7 @@ def run_busy_trainer_bench(
                     lambda: _training_step(model, opt, x)
                 )  # fmt: skip
                 per_event, n = _commit_seconds_per_event(
-                    Path(tmp) / f"{kind}-{r}.db", rows, per_submit, pace
+                    Path(tmp) / f"{kind}-{r}.db", rows, per_submit, pace, commit_writer
                 )
                 (idle if kind == "idle" else busy).append(per_event)
                 commits[kind].append(n)
@@ -210,6 +219,7 @@ def run_busy_trainer_bench(
     return {
         "events": events,
         "per_submit": per_submit,
+        "commit_writer": commit_writer,
         "training_step_s": step_s,
         "commit_s_per_event_idle": idle_s,
         "commit_s_per_event_busy": busy_s,

@@ -27,6 +27,12 @@ from ._options import flag, json_option, picked, shown
     default="FULL",
     help="SQLite synchronous level of the log (FULL is rolloutlog's default).",
 )
+@shown(
+    "--commit-writer",
+    type=click.Choice(["thread", "process"]),
+    default="thread",
+    help="Where the SQLite log's appends run (StoreConfig.commit_writer).",
+)
 @flag(
     "--busy-trainer",
     "Also measure the commit thread's time per event while the main thread trains a "
@@ -40,6 +46,7 @@ def durability(
     latency: float,
     repeats: int,
     synchronous: str,
+    commit_writer: str,
     busy_trainer: bool,
     as_json: bool,
 ) -> None:
@@ -50,10 +57,12 @@ def durability(
     from rolloutlog.bench.durability_bench import run_busy_trainer_bench, run_durability_bench
 
     result = run_durability_bench(
-        **picked("groups", "groups_per_step", "latency", "repeats", "synchronous")
+        **picked("groups", "groups_per_step", "latency", "repeats", "synchronous", "commit_writer")
     )
     if busy_trainer:
-        result["busy_trainer"] = run_busy_trainer_bench(repeats=repeats)
+        result["busy_trainer"] = run_busy_trainer_bench(
+            repeats=repeats, commit_writer=commit_writer
+        )
         result["ratios"].update(result["busy_trainer"]["ratios"])
     if as_json:
         click.echo(json.dumps(result))
@@ -68,7 +77,7 @@ def durability(
         ", ".join(f"{x:.2f}" for x in result["memory_runs"]),
     )
     table.add_row(
-        "SQLite",
+        f"SQLite ({commit_writer} writer)",
         f"{result['sqlite_seconds']:.2f}",
         ", ".join(f"{x:.2f}" for x in result["sqlite_runs"]),
     )
