@@ -383,6 +383,16 @@ _TODAY_DDL = (
 )
 
 
+def _sql_layer_connection(path: Path) -> sqlite3.Connection:
+    """A fresh SQLite file in the store's settings, with the run's ``runs`` row."""
+    conn = sqlite3.connect(str(path), isolation_level=None)
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute(f"PRAGMA synchronous = {DEFAULT_SQLITE_SYNCHRONOUS}")
+    conn.execute("CREATE TABLE runs (run_id TEXT PRIMARY KEY, last_seq INTEGER)")
+    conn.execute("INSERT INTO runs VALUES (?, 0)", (RUN_ID,))
+    return conn
+
+
 def bench_sql_layer(path: Path, specs: Sequence[Spec], *, batch: int, layout: str) -> Measured:
     """Rows already built, the SQL layer only, one transaction per batch.
 
@@ -394,12 +404,8 @@ def bench_sql_layer(path: Path, specs: Sequence[Spec], *, batch: int, layout: st
     """
     from rolloutlog.eventstore.bulk import MultiRowInsert
 
-    conn = sqlite3.connect(str(path), isolation_level=None)
+    conn = _sql_layer_connection(path)
     try:
-        conn.execute("PRAGMA journal_mode = WAL")
-        conn.execute(f"PRAGMA synchronous = {DEFAULT_SQLITE_SYNCHRONOUS}")
-        conn.execute("CREATE TABLE runs (run_id TEXT PRIMARY KEY, last_seq INTEGER)")
-        conn.execute("INSERT INTO runs VALUES (?, 0)", (RUN_ID,))
         dumps = json.JSONEncoder(separators=(",", ":")).encode
         base = [
             (RUN_ID, i + 1, 1, _TYPE_NAMES[s.completed], 1,
@@ -472,12 +478,8 @@ def bench_sql_deferred(
     """
     from rolloutlog.eventstore.bulk import MultiRowInsert
 
-    conn = sqlite3.connect(str(path), isolation_level=None)
+    conn = _sql_layer_connection(path)
     try:
-        conn.execute("PRAGMA journal_mode = WAL")
-        conn.execute(f"PRAGMA synchronous = {DEFAULT_SQLITE_SYNCHRONOUS}")
-        conn.execute("CREATE TABLE runs (run_id TEXT PRIMARY KEY, last_seq INTEGER)")
-        conn.execute("INSERT INTO runs VALUES (?, 0)", (RUN_ID,))
         for statement in _events_ddl():
             conn.execute(statement)
         conn.execute(
