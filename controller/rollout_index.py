@@ -11,7 +11,8 @@ The table is created by the controller's own alembic revisions
 (``controller/index_migrations``): ``0004_rollout_index`` created it and backfilled it
 from the audit columns the ``events`` table had in revisions 0001-0003, and
 ``0006_rollout_views`` re-created the audit views on top of it; ``0009`` made the
-indexes of the sparse keys partial.
+indexes of the sparse keys partial; ``0010`` made the table ``WITHOUT ROWID`` on SQLite
+and dropped the train-step index (the type-and-step index serves a step alone).
 
 Lookups (:func:`read_where`) and history reads (:func:`read_indexed`) return
 :class:`IndexedEvent`: a stored event plus its keys.
@@ -54,6 +55,8 @@ rollout_index = Table(
     Column("train_step", BigInteger, nullable=True),
     Column("weight_version", BigInteger, nullable=True),
     PrimaryKeyConstraint("run_id", "seq", name="pk_rollout_index"),
+    # SQLite: the rows live in the primary-key B-tree (revision 0010), one B-tree, not two.
+    sqlite_with_rowid=False,
 )
 # The sparse keys' indexes are partial (revision 0009): an event updates only the B-trees
 # of the keys it has. Every lookup is an equality, which implies the key IS NOT NULL.
@@ -69,7 +72,7 @@ for _name, _column in (
         sqlite_where=_column.isnot(None),
         postgresql_where=_column.isnot(None),
     )
-Index("ix_rollout_index_run_train_step", rollout_index.c.run_id, rollout_index.c.train_step)
+# "The batch of step t" is one seek; a step alone, one seek per event type (read_where).
 Index(
     "ix_rollout_index_run_type_step",
     rollout_index.c.run_id,
@@ -232,6 +235,22 @@ def read_where(
     return out
 
 
+#: The run's distinct event types in the index: a loose scan of the (type, step) index,
+#: one seek per type (both databases run it as such; neither skip-scans on its own).
+_RUN_TYPES = sa.text(
+    """
+WITH RECURSIVE t(type) AS (
+    SELECT MIN(type) FROM rollout_index WHERE run_id = :run_id
+    UNION ALL
+    SELECT (SELECT MIN(ix.type) FROM rollout_index ix
+            WHERE ix.run_id = :run_id AND ix.type > t.type)
+    FROM t WHERE t.type IS NOT NULL
+)
+SELECT type FROM t WHERE type IS NOT NULL
+"""
+)
+
+
 def _sql_read_where(store: EventStore, run_id: str, equals: dict[str, Any]) -> list[IndexedEvent]:
     """One indexed join (the equality columns' index, then the events primary key)."""
     ix, ev = rollout_index, events_table
@@ -253,6 +272,10 @@ def _sql_read_where(store: EventStore, run_id: str, equals: dict[str, Any]) -> l
     # No ORDER BY: SQLite's planner (no statistics) would walk the primary key to skip
     # the sort instead of seeking the key's index; the rows are sorted here instead.
     with store.engine.connect() as conn:
+        if set(equals) == {"train_step"}:
+            # No index starts with the step (revision 0010): seek (type, step) per type.
+            types = conn.execute(_RUN_TYPES, {"run_id": run_id}).scalars().all()
+            q = q.where(ix.c.type.in_(types))
         rows = conn.execute(q).all()
     out = [IndexedEvent(*r[:6], _utc(r[6]), *r[7:]) for r in rows]
     out.sort(key=lambda r: r.seq)

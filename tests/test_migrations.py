@@ -357,3 +357,65 @@ def test_upgrade_from_0003_moves_the_audit_keys_into_the_rollout_index(
             )
         ).all()
         assert [tuple(r) for r in back] == legacy
+
+
+# ---------------------------------------------------------------- 0010 and back
+def _index_state(conn: Connection) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    """The rollout index's rows and what the audit view reads of them, in seq order."""
+    cols = "seq, type, train_step, weight_version, group_id, prompt_index, target_step"
+    rows = conn.execute(sa.text(f"SELECT {cols} FROM rollout_index ORDER BY seq")).all()
+    viewed = conn.execute(sa.text(f"SELECT {cols} FROM history_events ORDER BY seq")).all()
+    return [tuple(r) for r in rows], [tuple(r) for r in viewed]
+
+
+def _rowid_layout(conn: Connection) -> str:
+    if conn.dialect.name != "sqlite":
+        return "heap"
+    sql = conn.execute(
+        sa.text("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'rollout_index'")
+    ).scalar_one()
+    return "without rowid" if str(sql).upper().endswith("WITHOUT ROWID") else "rowid"
+
+
+def test_0010_clusters_the_rollout_index_and_drops_the_step_index_and_back(
+    engine: Engine, db_url: str
+) -> None:
+    """Revision 0010 and its downgrade keep every row and the views working; SQLite's
+    table is WITHOUT ROWID at head and a rowid table at 0009, the train-step index exists
+    only at 0009, and read_where(train_step=) gives the same rows at head."""
+    from rolloutlog.controller.rollout_index import attach, read_where
+
+    migrate.upgrade(engine)
+    now = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
+    keyed = [
+        ("GroupAdmitted", (7, 70, 1, 0, 0)),
+        ("SiblingDispatched", (7, None, None, 0, 0)),
+        ("GroupSelected", (7, 70, 1, 1, 1)),
+        ("StepTrained", (None, None, None, 1, 1)),
+    ]
+    with EventStore.open(db_url, create=False) as store:
+        attach(store)
+        store.create_run("r")
+        rows = [NewEvent(t, 1, f'{{"i": {i}}}', now, d) for i, (t, d) in enumerate(keyed)]
+        store.append("r", rows, expected_seq=1, epoch=1)
+        step_rows = [e.seq for e in read_where(store, "r", train_step=1)]
+    assert step_rows == [3, 4]
+    with engine.connect() as conn:
+        at_head = _index_state(conn)
+        assert _rowid_layout(conn) in ("without rowid", "heap")
+        assert "ix_rollout_index_run_train_step" not in _reflected_indexes(conn, "rollout_index")
+    assert [r[0] for r in at_head[0]] == [1, 2, 3, 4] and at_head[0] == at_head[1]
+
+    migrate.downgrade(engine, "0009_partial_key_indexes")
+    with engine.connect() as conn:
+        assert _index_state(conn) == at_head
+        assert _rowid_layout(conn) in ("rowid", "heap")
+        assert "ix_rollout_index_run_train_step" in _reflected_indexes(conn, "rollout_index")
+
+    migrate.upgrade(engine)
+    with engine.connect() as conn:
+        assert _index_state(conn) == at_head
+        assert _rowid_layout(conn) in ("without rowid", "heap")
+        assert _diff(conn, metadata) == []
+    with EventStore.open(db_url, create=False) as store:
+        assert [e.seq for e in read_where(store, "r", train_step=1)] == step_rows

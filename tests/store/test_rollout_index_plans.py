@@ -1,20 +1,20 @@
 """The rollout index's lookups use its indexes, including the partial ones of the sparse
 keys (revision 0009): an equality on a key implies the key IS NOT NULL, on both
-databases, so making those indexes partial costs no lookup its index."""
+databases, so making those indexes partial costs no lookup its index. A step alone is
+read through the (type, step) index, one seek per type (revision 0010)."""
 
 from __future__ import annotations
 
 import pytest
 import sqlalchemy as sa
 
-from rolloutlog.controller.rollout_index import attach
+from rolloutlog.controller.rollout_index import _RUN_TYPES, attach, read_where
 from rolloutlog.eventstore import EventStore
 
 LOOKUPS = {
     "ix_rollout_index_run_group": "run_id = :r AND group_id = :k",
     "ix_rollout_index_run_prompt": "run_id = :r AND prompt_index = :k",
     "ix_rollout_index_run_target_step": "run_id = :r AND target_step = :k",
-    "ix_rollout_index_run_train_step": "run_id = :r AND train_step = :k",
     "ix_rollout_index_run_type_step": "run_id = :r AND type = 'StepTrained' AND train_step = :k",
 }
 
@@ -31,24 +31,29 @@ def sql_url(request: pytest.FixtureRequest) -> str:
     return str(request.getfixturevalue("pg_url" if request.param == "postgres" else "sqlite_url"))
 
 
+def _plan(conn: sa.Connection, sql: str, params: dict[str, object]) -> str:
+    """The query plan of ``sql`` as one string."""
+    if conn.dialect.name == "postgresql":
+        # An empty table is cheapest to scan: forbid that, so the plan shows whether the
+        # index is usable at all (a partial index the planner cannot prove applicable
+        # would still give a sequential scan).
+        conn.execute(sa.text("SET enable_seqscan = off"))
+        explain = "EXPLAIN"
+    else:
+        explain = "EXPLAIN QUERY PLAN"
+    return " ".join(
+        str(c) for row in conn.execute(sa.text(f"{explain} {sql}"), params) for c in row
+    )
+
+
 @pytest.mark.parametrize("index", sorted(LOOKUPS))
 def test_each_lookup_uses_its_index(sql_url: str, index: str) -> None:
     store = EventStore.open(sql_url)
     attach(store)
     try:
         with store.engine.connect() as conn:
-            if conn.dialect.name == "postgresql":
-                # An empty table is cheapest to scan: forbid that, so the plan shows
-                # whether the index is usable at all (a partial index the planner cannot
-                # prove applicable would still give a sequential scan).
-                conn.execute(sa.text("SET enable_seqscan = off"))
-                explain = "EXPLAIN"
-            else:
-                explain = "EXPLAIN QUERY PLAN"
-            sql = f"{explain} SELECT seq FROM rollout_index WHERE {LOOKUPS[index]}"
-            plan = " ".join(
-                str(col) for row in conn.execute(sa.text(sql), {"r": "run", "k": 3}) for col in row
-            )
+            sql = f"SELECT seq FROM rollout_index WHERE {LOOKUPS[index]}"
+            plan = _plan(conn, sql, {"r": "run", "k": 3})
     finally:
         store.close()
     assert "Seq Scan" not in plan and "SCAN rollout_index" not in plan, plan  # no full scan
@@ -77,4 +82,58 @@ def test_the_sparse_key_indexes_are_partial(sqlite_url: str) -> None:
         ("ix_rollout_index_run_target_step", "target_step"),
     ):
         assert sql[name].endswith(f"WHERE {column} IS NOT NULL"), sql[name]
-    assert "WHERE" not in sql["ix_rollout_index_run_train_step"]
+    assert "WHERE" not in sql["ix_rollout_index_run_type_step"]
+    assert "ix_rollout_index_run_train_step" not in sql  # dropped by revision 0010
+
+
+def test_a_step_alone_is_seeks_of_the_type_step_index(sql_url: str) -> None:
+    """read_where(train_step=) lists the run's types by a loose index scan, then seeks
+    (type, step) per type: no plan of either statement scans the table."""
+    store = EventStore.open(sql_url)
+    attach(store)
+    try:
+        with store.engine.connect() as conn:
+            types_plan = _plan(conn, str(_RUN_TYPES), {"run_id": "run"})
+            seek_plan = _plan(
+                conn,
+                "SELECT seq FROM rollout_index WHERE run_id = :r "
+                "AND type IN ('BatchSelected', 'StepTrained') AND train_step = :k",
+                {"r": "run", "k": 3},
+            )
+    finally:
+        store.close()
+    for plan in (types_plan, seek_plan):
+        assert "Seq Scan" not in plan and "SCAN rollout_index" not in plan, plan
+        assert "ix_rollout_index_run_type_step" in plan, plan
+
+
+def test_read_where_a_step_alone_finds_every_type_of_that_step(sql_url: str) -> None:
+    """Rows of several types at steps 0-2 (and of another run): a step's lookup returns
+    exactly that run's rows of that step, whatever their type."""
+    from datetime import UTC, datetime
+
+    from rolloutlog.eventstore import NewEvent
+
+    now = datetime(2026, 12, 2, tzinfo=UTC)
+    store = EventStore.open(sql_url)
+    attach(store)
+    try:
+        layout = [("A", 0), ("B", 0), ("A", 1), ("C", 1), ("B", 1), ("A", 2), ("D", 1)]
+        for run in ("run", "other"):
+            store.create_run(run)
+            rows = [
+                NewEvent(typ, 1, f'{{"i": {i}}}', now, (None, None, None, step, step))
+                for i, (typ, step) in enumerate(layout)
+            ]
+            store.append(run, rows, expected_seq=1, epoch=1)
+        got = read_where(store, "run", train_step=1)
+        assert [(e.seq, e.type, e.train_step) for e in got] == [
+            (3, "A", 1),
+            (4, "C", 1),
+            (5, "B", 1),
+            (7, "D", 1),
+        ]
+        assert read_where(store, "run", train_step=9) == []
+        assert read_where(store, "nobody", train_step=1) == []
+    finally:
+        store.close()
