@@ -11,8 +11,8 @@ The table is created by the controller's own alembic revisions
 (``controller/index_migrations``): ``0004_rollout_index`` created it and backfilled it
 from the audit columns the ``events`` table had in revisions 0001-0003, and
 ``0006_rollout_views`` re-created the audit views on top of it; ``0009`` made the
-indexes of the sparse keys partial; ``0010`` made the table ``WITHOUT ROWID`` on SQLite
-and dropped the train-step index (the type-and-step index serves a step alone).
+indexes of the sparse keys partial; ``0010`` dropped the train-step index (the
+type-and-step index serves a step alone).
 
 Lookups (:func:`read_where`) and history reads (:func:`read_indexed`) return
 :class:`IndexedEvent`: a stored event plus its keys.
@@ -55,8 +55,6 @@ rollout_index = Table(
     Column("train_step", BigInteger, nullable=True),
     Column("weight_version", BigInteger, nullable=True),
     PrimaryKeyConstraint("run_id", "seq", name="pk_rollout_index"),
-    # SQLite: the rows live in the primary-key B-tree (revision 0010), one B-tree, not two.
-    sqlite_with_rowid=False,
 )
 # The sparse keys' indexes are partial (revision 0009): an event updates only the B-trees
 # of the keys it has. Every lookup is an equality, which implies the key IS NOT NULL.
