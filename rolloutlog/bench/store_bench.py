@@ -1232,9 +1232,15 @@ def bench_pg_raw_copy(store: EventStore, specs: Sequence[Spec], *, batch: int) -
 
 def bench_pg_rolloutlog(
     store: EventStore, specs: Sequence[Spec], *, batch: int, with_index: bool
-) -> tuple[Measured, list[float]]:
+) -> tuple[Measured, list[tuple[float, float]]]:
     """Typed events through ``EventStore.append`` (one statement per batch), with a
-    reader thread LISTENing: also returns each append's commit-to-wake latency."""
+    reader thread LISTENing: also returns, per append, the seconds from the call to the
+    reader's wake, and from the call's return to the wake.
+
+    The commit lies between the call and its return, so the first is an upper bound of
+    the commit-to-wake latency and the second a lower one: the reader often wakes before
+    the appending thread gets the GIL back to return, so it is often negative.
+    """
     from rolloutlog.eventstore.watch import AppendWatcher
 
     run_id = f"bench-rl-{uuid.uuid4().hex[:8]}"
@@ -1242,6 +1248,7 @@ def bench_pg_rolloutlog(
     if with_index:
         attach(store)
     models = [rolloutlog_event(s) for s in specs]
+    called: dict[int, float] = {}
     returned: dict[int, float] = {}
     woke: dict[int, float] = {}
     ready = threading.Event()
@@ -1275,8 +1282,10 @@ def bench_pg_rolloutlog(
                     )
                     for m, s in chunk
                 ]
+                started = time.perf_counter()
                 seq = store.append(run_id, rows, expected_seq=seq, epoch=1) + 1
                 returned[seq - 1] = time.perf_counter()
+                called[seq - 1] = started
         deadline = time.monotonic() + 10
         while len(woke) < len(returned) and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -1287,7 +1296,7 @@ def bench_pg_rolloutlog(
         done.set()
         reader.join(10)
         _pg_cleanup(store, run_id)
-    latencies = [max(0.0, woke[s] - t) for s, t in returned.items() if s in woke]
+    latencies = [(woke[s] - called[s], woke[s] - t) for s, t in returned.items() if s in woke]
     return Measured.of(len(models), clock, 0, None, {"notified": len(latencies)}), latencies
 
 
@@ -1305,7 +1314,7 @@ def run_pg_store_benchmark(
         "rolloutlog": [],
         "rolloutlog_indexed": [],
     }
-    latencies: list[float] = []
+    latencies: list[tuple[float, float]] = []
     with EventStore.open(url) as plain, EventStore.open(url) as indexed:
         for r in range(repeat):
             say(f"round {r + 1}/{repeat}")
@@ -1317,10 +1326,13 @@ def run_pg_store_benchmark(
             samples["rolloutlog_indexed"].append(m)
     systems = {name: _best(ms).as_dict() for name, ms in samples.items()}
     raw = systems["raw_copy"]["append_eps"]
-    lat_ms = sorted(x * 1000 for x in latencies)
+    # The target is on the upper bound (append called -> reader woke): the commit is
+    # somewhere inside the call, so this never flatters the reader.
+    lat_ms = sorted(called * 1000 for called, _ in latencies)
+    from_return_ms = sorted(ret * 1000 for _, ret in latencies)
 
-    def p(q: float) -> float | None:
-        return lat_ms[min(len(lat_ms) - 1, int(q * len(lat_ms)))] if lat_ms else None
+    def p(q: float, xs: list[float] = lat_ms) -> float | None:
+        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
 
     ratios = {
         "append_vs_raw_copy": _ratio(systems["rolloutlog"]["append_eps"], raw),
@@ -1342,7 +1354,8 @@ def run_pg_store_benchmark(
         "load_average": _load_average(),
         "systems": systems,
         "tail_latency_ms": {"p50": p(0.5), "p90": p(0.9), "max": lat_ms[-1] if lat_ms else None,
-                            "samples": len(lat_ms)},
+                            "samples": len(lat_ms), "from_return_p50": p(0.5, from_return_ms),
+                            "from_return_p90": p(0.9, from_return_ms)},
         "ratios": ratios,
         "targets": {k: {"comparison": op, "target": b} for k, (op, b) in PG_TARGETS.items()},
         "met": met,
@@ -1364,6 +1377,7 @@ def print_pg_report(result: dict[str, Any]) -> None:
         print(f"  {name:40s} {value:.3f}{goal}" if value is not None else f"  {name}: -")
     lat = result["tail_latency_ms"]
     print(
-        f"  append commit -> LISTEN wake: p50 {lat['p50']:.2f} ms, p90 {lat['p90']:.2f} ms, "
-        f"max {lat['max']:.2f} ms over {lat['samples']} appends"
+        f"  append called -> LISTEN wake: p50 {lat['p50']:.2f} ms, p90 {lat['p90']:.2f} ms, "
+        f"max {lat['max']:.2f} ms over {lat['samples']} appends (append returned -> wake: "
+        f"p50 {lat['from_return_p50']:.2f} ms, p90 {lat['from_return_p90']:.2f} ms)"
     )
