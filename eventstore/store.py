@@ -451,8 +451,7 @@ class EventStore:
         derived_rows = [ix.rows(run_id, expected_seq, batch) for ix, _ in self._indexers]
         with self._pg_appender().connect() as conn:
             tables = self._derived_tables(conn)
-            sql = self._pg_append.sql(tables, payloads=bool(payload_puts))
-            params = self._pg_append.params(
+            sql, params = self._pg_append.statement(
                 run_id, expected_seq, epoch, batch, payload_puts, derived_rows, tables
             )
             # Autocommit: a session setting, kept per pooled connection of this engine

@@ -267,3 +267,31 @@ def test_nul_in_payload_is_kept_or_refused_never_cut(store: EventStore) -> None:
     else:
         assert store.dialect in ("sqlite", "memory")  # both keep the NUL
         assert [e.payload for e in store.read("r1")] == [e.payload for e in batch]
+
+
+def test_record_separators_and_any_instant_round_trip(store: EventStore) -> None:
+    """PostgreSQL sends a batch's types and payloads as text joined by U+001E and its
+    timestamps as epoch microseconds, or as arrays when a payload holds a raw U+001E:
+    either way every backend reads back exactly what was appended."""
+    store.create_run("r1")
+    east = timezone(timedelta(hours=14))
+    plain = [
+        NewEvent("A", 1, '{"i": 1}', datetime(1969, 12, 31, 23, 59, 59, 999999, tzinfo=UTC)),
+        NewEvent("B", 3, '{"esc": "\\u001e"}', datetime(1970, 1, 1, 0, 0, 0, 1, tzinfo=east)),
+        NewEvent("C", 2, "{}", datetime(2262, 4, 11, 23, 47, 16, 854775, tzinfo=UTC)),
+        NewEvent("D", 1, '{"s": ""}', datetime(1000, 1, 1, tzinfo=UTC)),
+    ]
+    raw_separator = [
+        NewEvent("E", 1, '{"raw": "a\x1eb"}', T0),  # not JSON: the store keeps it anyway
+        NewEvent("F", 1, "\x1e", T0 + timedelta(microseconds=1)),
+    ]
+    alone = [NewEvent("G", 1, "", T0)]  # one empty text: splits into nothing, not one ""
+    empty_last = [NewEvent("H", 1, "{}", T0), NewEvent("I", 1, "", T0)]
+    assert store.append("r1", plain, expected_seq=1, epoch=1) == 4
+    assert store.append("r1", raw_separator, expected_seq=5, epoch=1) == 6
+    assert store.append("r1", alone, expected_seq=7, epoch=1) == 7
+    assert store.append("r1", empty_last, expected_seq=8, epoch=1) == 9
+    got = list(store.read("r1"))
+    appended = plain + raw_separator + alone + empty_last
+    for seq, (stored, new) in enumerate(zip(got, appended, strict=True), start=1):
+        _assert_same(stored, new, run_id="r1", seq=seq, epoch=1)
