@@ -63,19 +63,37 @@ class PgAppendStatement:
     def __init__(self) -> None:
         self._sql: dict[tuple[Any, ...], str] = {}
 
-    def sql(self, derived: Sequence[DerivedTable], *, payloads: bool, packed: bool) -> str:
+    def sql(
+        self,
+        derived: Sequence[DerivedTable],
+        *,
+        payloads: bool,
+        packed: bool,
+        packed_derived: tuple[tuple[bool, ...], ...] | None = None,
+    ) -> str:
         """The statement for a batch with these derived tables (cached per shape).
 
-        ``packed``: the event columns go as text (:meth:`params` says whether they can).
+        ``packed``: the event columns go as text; ``packed_derived``: which derived
+        columns do, per table (:meth:`params` says which can; None: none).
         """
-        key = (tuple(derived), payloads, packed)
+        if packed_derived is None:
+            packed_derived = tuple((False,) * len(t.columns) for t in derived)
+        key = (tuple(derived), payloads, packed, packed_derived)
         text = self._sql.get(key)
         if text is None:
-            text = self._sql[key] = self._build(derived, payloads=payloads, packed=packed)
+            text = self._sql[key] = self._build(
+                derived, payloads=payloads, packed=packed, packed_derived=packed_derived
+            )
         return text
 
     @staticmethod
-    def _build(derived: Sequence[DerivedTable], *, payloads: bool, packed: bool) -> str:
+    def _build(
+        derived: Sequence[DerivedTable],
+        *,
+        payloads: bool,
+        packed: bool,
+        packed_derived: tuple[tuple[bool, ...], ...],
+    ) -> str:
         guard = "WHERE EXISTS (SELECT 1 FROM cas)"
         if packed:
             columns = (
@@ -113,9 +131,10 @@ class PgAppendStatement:
                 f"%(put_kinds)b::text[], %(put_data)b::bytea[]) AS u(i, k, d) {guard} "
                 "ON CONFLICT DO NOTHING)"
             )
-        for n, table in enumerate(derived):
+        for n, (table, flags) in enumerate(zip(derived, packed_derived, strict=True)):
             arrays = ", ".join(
-                f"%(d{n}_{i})b::{sql_type}[]" for i, sql_type in enumerate(table.types)
+                _unpack_sql(f"d{n}_{i}", sql_type) if flag else f"%(d{n}_{i})b::{sql_type}[]"
+                for i, (sql_type, flag) in enumerate(zip(table.types, flags, strict=True))
             )
             parts.append(
                 f"d{n} AS (INSERT INTO {table.table} ({', '.join(table.columns)}) "
@@ -176,6 +195,7 @@ class PgAppendStatement:
             params["put_ids"] = [p.payload_id for p in payload_puts]
             params["put_kinds"] = [p.kind for p in payload_puts]
             params["put_data"] = [p.data for p in payload_puts]
+        packed_derived: list[tuple[bool, ...]] = []
         for n, (table, rows) in enumerate(zip(derived, derived_rows, strict=True)):
             width = len(table.columns)
             if any(len(row) != width for row in rows):
@@ -184,8 +204,13 @@ class PgAppendStatement:
                     f"({', '.join(table.columns)})"
                 )
             columns = list(zip(*rows, strict=True)) if rows else [()] * width
-            for i, values in enumerate(columns):
-                params[f"d{n}_{i}"] = list(values)
+            flags = []
+            for i, (values, sql_type) in enumerate(zip(columns, table.types, strict=True)):
+                text = _pack_column(values, sql_type)
+                params[f"d{n}_{i}"] = list(values) if text is None else text
+                flags.append(text is not None)
+            packed_derived.append(tuple(flags))
+        params["packed_derived"] = tuple(packed_derived)
         return params
 
     def statement(
@@ -203,4 +228,44 @@ class PgAppendStatement:
             run_id, expected_seq, epoch, batch, payload_puts, derived_rows, derived
         )
         packed = params.pop("packed")
-        return self.sql(derived, payloads=bool(payload_puts), packed=packed), params
+        packed_derived = params.pop("packed_derived")
+        sql = self.sql(
+            derived, payloads=bool(payload_puts), packed=packed, packed_derived=packed_derived
+        )
+        return sql, params
+
+
+#: Derived column types sent as comma-joined integers ('' for NULL) when packed.
+_INTEGER_TYPES = frozenset({"bigint", "integer", "smallint"})
+
+
+def _pack_column(values: Sequence[Any], sql_type: str) -> str | None:
+    """A derived column as one text parameter, or None where it must go as an array.
+
+    Integers (exactly ``int``, or None) are joined with commas, NULL as an empty element;
+    text (exactly ``str``, no NULL, no separator) with U+001E. A text that would be empty
+    while the column has a value (one NULL, one empty string) goes as an array:
+    ``string_to_array('')`` is an empty array, not one element.
+    """
+    if sql_type in _INTEGER_TYPES:
+        if not all(type(v) is int or v is None for v in values):
+            return None
+        text = ",".join(["" if v is None else str(v) for v in values])
+    elif sql_type == "text" or sql_type.startswith("character varying"):
+        if not all(type(v) is str for v in values):
+            return None
+        text = SEPARATOR.join(values)
+        if text.count(SEPARATOR) != max(len(values) - 1, 0):
+            return None
+    else:
+        return None
+    if text == "" and values:
+        return None
+    return text
+
+
+def _unpack_sql(name: str, sql_type: str) -> str:
+    """The SQL that splits :func:`_pack_column`'s text back into a ``sql_type`` array."""
+    if sql_type in _INTEGER_TYPES:
+        return f"string_to_array(%({name})s, ',', '')::{sql_type}[]"
+    return f"string_to_array(%({name})s, chr(30))::{sql_type}[]"

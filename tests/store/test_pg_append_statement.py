@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 import pytest
 
 from rolloutlog.eventstore import NewEvent
-from rolloutlog.eventstore.pg_append import SEPARATOR, PgAppendStatement
+from rolloutlog.eventstore.pg_append import SEPARATOR, DerivedTable, PgAppendStatement
 
 T = datetime(2026, 12, 2, 1, 2, 3, 456789, tzinfo=UTC)
 
@@ -65,3 +65,37 @@ def _assert_arrays(batch: list[NewEvent]) -> None:
     assert params["payloads"] == [ev.payload for ev in batch]
     assert params["stamps"] == [ev.recorded_at for ev in batch]
     assert params["versions"] == [ev.schema_version for ev in batch]
+
+
+KEYS = DerivedTable("keys", ("run_id", "seq", "k"), ("character varying(128)", "bigint", "bigint"))
+
+
+def _derived(rows: list[tuple[object, ...]]) -> tuple[str, dict[str, object]]:
+    batch = [NewEvent("A", 1, "{}", T) for _ in rows] or [NewEvent("A", 1, "{}", T)]
+    return PgAppendStatement().statement("r", 1, 1, batch, (), [rows], [KEYS])
+
+
+def test_derived_integers_and_text_go_packed_with_null_as_an_empty_element() -> None:
+    sql, params = _derived([("r", 1, None), ("r", 2, -7)])
+    assert params["d0_0"] == "r" + SEPARATOR + "r"
+    assert (params["d0_1"], params["d0_2"]) == ("1,2", ",-7")
+    assert "string_to_array(%(d0_2)s, ',', '')::bigint[]" in sql
+    assert "string_to_array(%(d0_0)s, chr(30))::character varying(128)[]" in sql
+
+
+@pytest.mark.parametrize(
+    ("rows", "column", "why"),
+    [
+        ([("r", 1, None)], "d0_2", "a lone NULL would pack to '', which splits to nothing"),
+        ([("r", 1, True)], "d0_2", "not exactly an int"),
+        ([("r", 1, 1.5)], "d0_2", "not an int at all"),
+        ([("r\x1ex", 1, 1)], "d0_0", "a separator inside a text"),
+        ([(None, 1, 1)], "d0_0", "a NULL text"),
+    ],
+)
+def test_derived_columns_that_cannot_pack_go_as_arrays(
+    rows: list[tuple[object, ...]], column: str, why: str
+) -> None:
+    sql, params = _derived(rows)
+    assert params[column] == [rows[0][int(column[-1])]], why
+    assert f"%({column})b::" in sql, why
