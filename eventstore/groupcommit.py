@@ -120,10 +120,15 @@ class GroupCommitter:
                 return self._next_seq - 1
         with self._cv:
             self._raise_if_unusable()
+            was_idle = not self._units
             self._units.append((list(batch), list(payload_puts)))
             self._queued += len(batch)
             self._next_seq += len(batch)
-            self._cv.notify_all()
+            # Wake the writer only when it has something new to decide: its first unit
+            # (it sleeps until there is one) or a batch just filled (it stops waiting out
+            # the window). A wake per command costs a GIL hand-off per command.
+            if was_idle or self._queued - len(batch) < self.max_batch <= self._queued:
+                self._cv.notify_all()
             return self._next_seq - 1
 
     def flush(self, timeout: float | None = None) -> int:

@@ -124,6 +124,67 @@ def test_flush_does_not_wait_out_the_commit_window(db_url, open_store, committer
     assert time.monotonic() - started < 2.5, "flush waited for the 5 s commit window"
 
 
+def test_a_full_batch_commits_without_waiting_out_the_window(
+    db_url, open_store, committers
+) -> None:
+    """The writer is woken when a batch fills, not only by a flush: submissions reaching
+    ``max_batch`` commit at once although the window is long and nobody flushes."""
+    store = open_store(db_url)
+    store.create_run("r1")
+    other = open_store(db_url)
+    gc = committers(store, window_s=30.0, max_batch=40)
+    for i in range(9):  # 4 events per command
+        gc.submit(make_batch(4 * i + 1, 4))
+    time.sleep(0.3)  # the writer now waits out its window
+    gc.submit(make_batch(37, 4))  # fills the batch
+    deadline = time.monotonic() + 15
+    while other.last_seq("r1") < 40 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert other.last_seq("r1") == 40, "the full batch waited for the 30 s window"
+    assert gc.durable_seq == 40
+
+
+def test_the_first_unit_wakes_an_idle_writer(db_url, open_store, committers) -> None:
+    """After a commit the writer sleeps until there is work; one submission wakes it and
+    commits after the window, without a flush."""
+    store = open_store(db_url)
+    store.create_run("r1")
+    other = open_store(db_url)
+    gc = committers(store, window_s=0.05)
+    for first in (1, 3):
+        gc.submit(make_batch(first, 2))
+        deadline = time.monotonic() + 15
+        while other.last_seq("r1") < first + 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert other.last_seq("r1") == first + 1
+        time.sleep(0.1)  # the writer is idle again
+
+
+def test_submissions_inside_a_window_do_not_wake_the_writer_each(db_url, open_store) -> None:
+    """Waking the writer on every submission costs a GIL hand-off per command; inside
+    one window only the first submission and the one filling the batch notify it."""
+    store = open_store(db_url)
+    store.create_run("r1")
+    gc = GroupCommitter(store, "r1", epoch=1, next_seq=1, window_s=30.0, max_batch=100)
+    try:
+        notified = 0
+        real = gc._cv.notify_all
+        submitter = threading.get_ident()
+
+        def counting() -> None:
+            nonlocal notified
+            notified += threading.get_ident() == submitter  # not the writer's own
+            real()
+
+        gc._cv.notify_all = counting  # type: ignore[method-assign]
+        for i in range(50):  # 2 events each: the 50th fills the batch
+            gc.submit(make_batch(2 * i + 1, 2))
+        assert notified == 2, notified
+        assert gc.flush(timeout=30) == 100
+    finally:
+        gc.close(flush=False)
+
+
 def test_aflush_from_asyncio(db_url, open_store, committers) -> None:
     store = open_store(db_url)
     store.create_run("r1")
