@@ -83,6 +83,12 @@ async def drive(ctl: RolloutController, steps: int, *, checkpoint_every: int = 1
         await runtime.close()
 
 
+def store_config() -> StoreConfig:
+    """A snapshot every 25 events and a 1 ms commit window: for starts and restores alike
+    (a restore given no store config falls back to the default of 50,000 events)."""
+    return StoreConfig(snapshot_interval=25, group_commit_window_ms=1)
+
+
 def start(store: Any, run_id: str = "r", sampler: str = "in_order") -> RolloutController:
     """A new run with a checkpoint at train step 0, so every crash has one to return to."""
     ctl = RolloutController.start(
@@ -91,7 +97,7 @@ def start(store: Any, run_id: str = "r", sampler: str = "in_order") -> RolloutCo
         rollout_config(sampler),
         dataset_fingerprint=FINGERPRINT,
         dataset_size=DATASET,
-        store_config=StoreConfig(snapshot_interval=25, group_commit_window_ms=1),
+        store_config=store_config(),
     )
     ctl.checkpoint(0)
     return ctl

@@ -35,7 +35,7 @@ from rolloutlog.eventstore.compaction import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reliability"))
-from reliability_harness import FINGERPRINT, drive, rollout_config, run, start
+from reliability_harness import FINGERPRINT, drive, rollout_config, run, start, store_config
 
 RUN = "r"
 
@@ -84,12 +84,19 @@ def driven(db_url: str) -> Any:
         ctl.close()
     ckpt2 = _checkpoints(store)[2]
     ctl, _ = RolloutController.restore(
-        store, RUN, ckpt2, rollout=rollout_config(), dataset_fingerprint=FINGERPRINT
-    )
+        store, RUN, ckpt2, rollout=rollout_config(), dataset_fingerprint=FINGERPRINT,
+        store_config=store_config(),
+    )  # fmt: skip
     try:
         run(drive(ctl, 8))
     finally:
         ctl.close()
+    # The restored controller snapshots too: the compaction base below lies after the
+    # restore, past steps whose groups were trained (their payloads can go). Without
+    # it the base fell in the first segment, and how far in depended on timing.
+    segments = store.history_segments(RUN)
+    snaps = _snapshot_seqs(store)
+    assert any(segments[-1][0] <= s <= _checkpoints(store)[6] for s in snaps), (snaps, segments)
     yield store
     store.close()
 
