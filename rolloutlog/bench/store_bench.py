@@ -36,6 +36,7 @@ import json
 import os
 import platform
 import sqlite3
+import statistics
 import threading
 import time
 import uuid
@@ -52,7 +53,7 @@ from sqlalchemy.schema import CreateIndex, CreateTable
 from rolloutlog.controller.domain.events import CODEC, SiblingCompleted, SiblingDispatched
 from rolloutlog.controller.rollout_index import attach
 from rolloutlog.controller.rollout_index import rollout_index as rollout_index_table
-from rolloutlog.eventstore import EventCodec, EventModel, EventStore, GroupCommitter
+from rolloutlog.eventstore import EventCodec, EventModel, EventStore, GroupCommitter, NewEvent
 from rolloutlog.eventstore.schema import events as events_table
 from rolloutlog.eventstore.store import DEFAULT_SQLITE_SYNCHRONOUS
 
@@ -1230,6 +1231,17 @@ def bench_pg_raw_copy(store: EventStore, specs: Sequence[Spec], *, batch: int) -
     return Measured.of(len(rows), clock, 0, None, {})
 
 
+def _typed_rows(
+    models: Sequence[EventModel], specs: Sequence[Spec], start: int, n: int, *, with_index: bool
+) -> list[NewEvent]:
+    """Events ``start .. start + n - 1`` encoded as the runtime encodes them (timed)."""
+    encode = CODEC.encode
+    return [
+        encode(m, recorded_at=s.recorded_at, derived=_index_keys(s) if with_index else None)
+        for m, s in zip(models[start : start + n], specs[start : start + n], strict=True)
+    ]
+
+
 def bench_pg_rolloutlog(
     store: EventStore, specs: Sequence[Spec], *, batch: int, with_index: bool
 ) -> tuple[Measured, list[tuple[float, float]]]:
@@ -1269,19 +1281,10 @@ def bench_pg_rolloutlog(
     reader.start()
     ready.wait(30)
     try:
-        encode = CODEC.encode
         seq = 1
         with _Stopwatch() as clock:
             for start in range(0, len(models), batch):
-                chunk = zip(
-                    models[start : start + batch], specs[start : start + batch], strict=True
-                )
-                rows = [
-                    encode(
-                        m, recorded_at=s.recorded_at, derived=_index_keys(s) if with_index else None
-                    )
-                    for m, s in chunk
-                ]
+                rows = _typed_rows(models, specs, start, batch, with_index=with_index)
                 started = time.perf_counter()
                 seq = store.append(run_id, rows, expected_seq=seq, epoch=1) + 1
                 returned[seq - 1] = time.perf_counter()
@@ -1328,24 +1331,14 @@ def bench_pg_group_commit(
     (``unit`` events) at a time; the :class:`GroupCommitter`'s thread appends up to
     ``batch`` per transaction meanwhile; the clock stops when ``flush`` says all is
     durable. Encoding thus overlaps the server's work, as it does in a training run."""
-    from rolloutlog.eventstore.groupcommit import GroupCommitter
-
     run_id = f"bench-gc-{uuid.uuid4().hex[:8]}"
     store.create_run(run_id)
     models = [rolloutlog_event(s) for s in specs]
-    encode = CODEC.encode
     committer = GroupCommitter(store, run_id, epoch=1, next_seq=1, max_batch=batch)
     try:
         with _Stopwatch() as clock:
             for start in range(0, len(models), unit):
-                committer.submit(
-                    [
-                        encode(m, recorded_at=s.recorded_at)
-                        for m, s in zip(
-                            models[start : start + unit], specs[start : start + unit], strict=True
-                        )
-                    ]
-                )
+                committer.submit(_typed_rows(models, specs, start, unit, with_index=False))
             durable = committer.flush(timeout=120)
         _check("group commit", f"durable {durable}, wrote {len(specs)}", durable == len(specs))
     finally:
@@ -1356,12 +1349,12 @@ def bench_pg_group_commit(
 
 def _paired_median(num: Sequence[Measured], den: Sequence[Measured]) -> float | None:
     """Median over rounds of the ratio of append rates measured in the same round."""
-    ratios = sorted(
+    ratios = [
         b.append_seconds / a.append_seconds
         for a, b in zip(num, den, strict=True)
         if a.append_seconds > 0 and b.append_seconds > 0
-    )
-    return round(ratios[len(ratios) // 2], 3) if ratios else None
+    ]
+    return round(statistics.median(ratios), 3) if ratios else None
 
 
 def run_pg_store_benchmark(

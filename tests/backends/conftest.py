@@ -13,7 +13,7 @@ import importlib
 import importlib.util
 import os
 import warnings
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -128,6 +128,14 @@ def vllm_session_backend(tiny_model_dir: Path, run: Runner) -> Iterator[Generati
     run(backend.start(), timeout=300)
     yield backend
     run(backend.close(), timeout=60)
+
+
+def score(model: Any, prompt: Sequence[int], tokens: Sequence[int]) -> list[float]:
+    """Teacher-forced logprobs of ``tokens`` after ``prompt`` under ``model`` (temperature 1)."""
+    ids = torch.tensor([[*prompt, *tokens]])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+    return [float(logprobs[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens)]
 
 
 def _deterministic(tiny_model_dir: Path) -> DeterministicBackend:

@@ -31,7 +31,7 @@ from rolloutlog.controller.backends import (
 )
 from rolloutlog.grpo.tiny_model import load_policy
 
-from .conftest import MAX_MODEL_LEN, SLOW_GROUP_BASE, Runner, serves_model
+from .conftest import MAX_MODEL_LEN, SLOW_GROUP_BASE, Runner, score, serves_model
 
 PROMPT = (1, *range(4, 44))  # <bos> and 40 characters: a full KV block of 32 and more
 FAVOURED = 30  # a character, not eos
@@ -90,14 +90,6 @@ def favoured_weights(base: dict[str, torch.Tensor], token: int) -> dict[str, tor
     weights["lm_head.weight"].zero_()
     weights["lm_head.weight"][token] = 0.5
     return weights
-
-
-def score(model: Any, prompt: tuple[int, ...], tokens: tuple[int, ...]) -> list[float]:
-    """Teacher-forced logprobs of ``tokens`` after ``prompt`` under ``model`` (temperature 1)."""
-    ids = torch.tensor([[*prompt, *tokens]])
-    with torch.no_grad():
-        logprobs = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
-    return [float(logprobs[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens)]
 
 
 # --- results -------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from rolloutlog.controller.backends.fleet import (
 from rolloutlog.controller.backends.vllm_server import EngineStaleError, VLLMServerBackend
 from rolloutlog.grpo.tiny_model import load_policy
 
-from .conftest import MAX_MODEL_LEN, Runner
+from .conftest import MAX_MODEL_LEN, Runner, score
 
 PROMPT = (1, *range(4, 44))
 
@@ -73,14 +73,6 @@ def request(group: int, siblings: int = 2, max_tokens: int = 8) -> GroupRequest:
         siblings=tuple(SiblingSpec(s, 0) for s in range(siblings)),
         sampling=SamplingConfig(max_tokens=max_tokens),
     )
-
-
-def score(model: Any, prompt: Sequence[int], tokens: Sequence[int]) -> list[float]:
-    """Teacher-forced logprobs of ``tokens`` after ``prompt`` under ``model``."""
-    ids = torch.tensor([[*prompt, *tokens]])
-    with torch.no_grad():
-        lp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
-    return [float(lp[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens)]
 
 
 async def until(predicate: Any, timeout: float, what: str) -> None:
