@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from rolloutlog.controller.domain.events import (
+    CODEC,
     EngineJoined,
     EngineLost,
     EngineRefit,
@@ -37,7 +38,8 @@ from rolloutlog.controller.domain.events import (
 )
 from rolloutlog.controller.domain.invariants import find_violations
 from rolloutlog.controller.prompt_ledger import build_ledger, cross_check
-from rolloutlog.controller.rollout_controller import iter_history, replay
+from rolloutlog.controller.rollout_controller import replay
+from rolloutlog.controller.rollout_index import read_indexed
 from rolloutlog.eventstore import EventStore
 
 from .run_config import RunConfig
@@ -311,8 +313,14 @@ def kill_step(steps: int, checkpoint_every: int) -> int:
     return min(target, steps - 2)
 
 
-def engine_summary(history: list[RolloutEvent]) -> dict[str, int]:
-    """Engine membership of a run's history, for the demo's summary.
+def engine_summary(log: list[tuple[bool, RolloutEvent]]) -> dict[str, int]:
+    """Engine membership of a run's whole log, for the demo's summary.
+
+    ``log``: every event of the run, oldest first, each with whether it lies in the
+    current history (``False``: in a range a restore abandoned). Engine membership is
+    what the fleet saw, and a restore does not undo a dead engine: an engine lost after
+    the last checkpoint still counts, and ``engine_losses_abandoned`` says how many of
+    the losses lie in an abandoned range (the resumed worker found the engine restarted).
 
     ``siblings_redispatched_after_engine_loss``: attempts in flight on a lost engine
     whose sibling was dispatched again (a new attempt). The new attempt may precede the
@@ -320,23 +328,37 @@ def engine_summary(history: list[RolloutEvent]) -> dict[str, int]:
     health probes declare it dead.
     """
     lost: set[tuple[int, int, int]] = set()  # group, sibling, attempt
-    for ev in history:
+    losses = abandoned = 0
+    for in_history, ev in log:
         if isinstance(ev, EngineLost):
+            losses += 1
+            abandoned += not in_history
             for rid in ev.in_flight:
                 g, s, a = (int(part[1:]) for part in rid.split("-"))
                 lost.add((g, s, a))
     newest: dict[tuple[int, int], int] = {}
-    for ev in history:
+    for _in_history, ev in log:
         if isinstance(ev, SiblingDispatched):
             key = (ev.group_id, ev.sibling)
             newest[key] = max(newest.get(key, 0), ev.attempt)
     redispatched = sum(1 for g, s, a in lost if newest.get((g, s), 0) > a)
     return {
-        "engines": len({ev.engine_id for ev in history if isinstance(ev, EngineJoined)}),
-        "engines_lost": sum(1 for ev in history if isinstance(ev, EngineLost)),
-        "engines_refit": sum(1 for ev in history if isinstance(ev, EngineRefit)),
+        "engines": len({ev.engine_id for _h, ev in log if isinstance(ev, EngineJoined)}),
+        "engines_lost": losses,
+        "engine_losses_abandoned": abandoned,
+        "engines_refit": sum(1 for _h, ev in log if isinstance(ev, EngineRefit)),
         "siblings_redispatched_after_engine_loss": redispatched,
     }
+
+
+def _whole_log(store: EventStore, run_id: str) -> list[tuple[bool, RolloutEvent]]:
+    """Every event of the run (abandoned ranges included), each with whether it lies in
+    the current history."""
+    segments = store.history_segments(run_id)
+    return [
+        (any(first <= row.seq <= last for first, last in segments), CODEC.decode(row))
+        for row in read_indexed(store, run_id)
+    ]
 
 
 def run_demo(
@@ -416,7 +438,7 @@ def run_demo(
         check = cross_check(ledger, state)
         violations = [str(v) for v in find_violations(state)]
         last_seq = store.last_seq(rid)
-        engines = engine_summary([ev for _row, ev in iter_history(store, rid)])
+        engines = engine_summary(_whole_log(store, rid))
     finally:
         store.close()
     steps = sorted(ledger.step_rewards)
