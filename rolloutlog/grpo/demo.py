@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -72,9 +73,11 @@ def _root_cause(stderr: str) -> str | None:
     return None
 
 
-def _worker_argv(cfg: RunConfig, run_id: str, mode: str) -> list[str]:
-    """The command line of one demo worker process."""
-    return [
+def _worker_argv(
+    cfg: RunConfig, run_id: str, mode: str, hold_after: int | None = None
+) -> list[str]:
+    """The command line of one demo worker process (``hold_after``: see demo_worker)."""
+    argv = [
         sys.executable,
         "-m",
         "rolloutlog.grpo.demo_worker",
@@ -82,6 +85,17 @@ def _worker_argv(cfg: RunConfig, run_id: str, mode: str) -> list[str]:
         run_id,
         mode,
     ]
+    return argv if hold_after is None else [*argv, str(hold_after)]
+
+
+def _answer(proc: subprocess.Popen[str]) -> None:
+    """Let a worker that holds after a step report go on (see demo_worker)."""
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+    except (BrokenPipeError, OSError):  # it died meanwhile: the loop notices its exit
+        pass
 
 
 def _group_alive(pgid: int) -> bool:
@@ -147,7 +161,10 @@ def _run_worker(
         # Its own session and process group: the crash kills the worker and every
         # process it started (the vLLM engine's), and nothing of it outlives the demo.
         proc = subprocess.Popen(
-            _worker_argv(cfg, run_id, mode),
+            _worker_argv(cfg, run_id, mode, kill_after_step),
+            # Past kill_after_step the worker waits for a line after each step report:
+            # it cannot run past the crash while this process is slow to read.
+            stdin=subprocess.PIPE if kill_after_step is not None else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=errfile,
             text=True,
@@ -190,18 +207,22 @@ def _run_worker(
                     kill_after_step is not None
                     and msg.get("event") == "step"
                     and msg["step"] >= kill_after_step
-                    and may_kill()
                 ):
-                    # A real crash: no cleanup, no flush, generation still in flight.
-                    _kill_group(proc)
-                    out.killed = True
-                    break
+                    if may_kill():
+                        # A real crash: no cleanup, no flush, generation still in flight.
+                        _kill_group(proc)
+                        out.killed = True
+                        break
+                    _answer(proc)  # not yet: the worker goes on to its next step
         finally:
             if not read_all:
                 # Stopped reading early (a crash, an error, ^C): nothing of the worker
                 # may outlive this function.
                 _kill_group(proc)
             proc.wait()
+            if proc.stdin is not None:
+                with contextlib.suppress(OSError):  # a dead reader's pipe may not flush
+                    proc.stdin.close()
             # A worker that exited on its own may still leave engine processes behind.
             _kill_group(proc, wait_s=5.0)
             reader.join(timeout=10)

@@ -181,7 +181,10 @@ def test_lost_engine_fails_retryable_and_returns_stale_until_refit(
     run(scenario(), timeout=60)
     assert recorder.kinds("e1") == ["joined", "refit", "lost", "joined", "stale", "refit"]
     lost = next(e for e in recorder.events if e[0] == "lost")
-    assert lost[2] == ()  # its requests had already failed (connections reset) when it died
+    # Its requests fail at once (connections reset), usually before the probes declare it
+    # dead; whatever it still held at its loss is among them (the order is the scheduler's).
+    failed_groups = {g for e, g in recorder.failed if e == "e1"}
+    assert {int(rid.split("-")[0][1:]) for rid in lost[2]} <= failed_groups
 
 
 def test_a_blip_keeps_the_weights_a_restart_does_not(

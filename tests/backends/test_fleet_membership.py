@@ -83,6 +83,9 @@ def test_engine_loss_is_logged_and_its_attempts_finish_elsewhere(
             model_dir=tiny_model_dir,
             health_interval=0.05,
             dead_after=2,
+            # The fake servers share this loop: a stall of a loaded machine must not time
+            # out e0's probes (a stopped e1 refuses connections at once).
+            health_timeout=10.0,
         )
         runtime = RolloutRuntime(ctl, fleet, _Prompts(), GenerationConfig(max_tokens=3))
         await runtime.start()

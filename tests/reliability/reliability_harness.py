@@ -229,7 +229,7 @@ class Worker:
             f"stderr tail {self.stderr[-2000:]!r}"
         )
 
-    def wait_for(self, prefix: str, timeout: float = 60.0, count: int = 1) -> str:
+    def wait_for(self, prefix: str, timeout: float = 180.0, count: int = 1) -> str:
         """Block until ``count`` lines starting with ``prefix`` were printed; return the last."""
         import time
 

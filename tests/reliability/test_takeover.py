@@ -82,7 +82,7 @@ def test_takeover_fences_the_old_process(db_url: str, mode: str, a_state: str) -
             # then run past B's target before B takes over.
             os.kill(a.proc.pid, signal.SIGCONT)
             woke_a_early = True
-            ready = b.wait_for("READY", timeout=60)
+            ready = b.wait_for("READY", timeout=180)
         finally:
             if a_state == "frozen":
                 os.kill(a.proc.pid, signal.SIGCONT)  # the zombie wakes up after the takeover
@@ -94,7 +94,8 @@ def test_takeover_fences_the_old_process(db_url: str, mode: str, a_state: str) -
         fenced = [x for x in a.lines if x.startswith("FENCED")]
         assert rc_a == 3 and fenced, (rc_a, a.lines[-3:], a.stderr[-2000:])
         assert "holds epoch 1 but the run is at epoch 2" in fenced[0], fenced[0]
-        assert b.finish(timeout=90) == 0, b.stderr[-2000:]
+        # "running": B may have up to 300 steps to train, each checkpointed and synced.
+        assert b.finish(timeout=300) == 0, b.stderr[-2000:]
         assert b.lines[-1] == "DONE"
         _check_takeover(db_url, a, b, mode, 2)
         if b_step < steps:  # B trained up to its target

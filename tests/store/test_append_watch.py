@@ -95,6 +95,9 @@ def test_serve_metrics_tailer_folds_an_append_long_before_its_poll_interval(pg_u
         ctl.execute(AdmitStep())
         ctl.flush()
         want = ctl.state.last_seq
+        # Its own deadline, still well inside the 60 s poll interval: only the
+        # notification can wake the tailer in time.
+        deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             with tailer.follower.lock:
                 now = tailer.follower.projection.values(work=tailer.follower.work)["offset"]
