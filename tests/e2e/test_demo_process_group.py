@@ -75,8 +75,11 @@ def test_no_process_of_the_worker_survives(
 ) -> None:
     script = tmp_path / "fake_worker.py"
     script.write_text(FAKE_WORKER)
+    # The stand-in ignores the hold argument: the demo kills it at its first step report.
     monkeypatch.setattr(
-        demo, "_worker_argv", lambda _cfg, _rid, _mode: [sys.executable, str(script), ending]
+        demo,
+        "_worker_argv",
+        lambda _cfg, _rid, _mode, _hold=None: [sys.executable, str(script), ending],
     )
     seen: list[dict[str, Any]] = []
     helper: int | None = None
