@@ -78,12 +78,26 @@ class StoreConfig(BaseModel):
         5.0, ge=0, description="Longest a submitted event waits for its batch's transaction."
     )
     group_commit_max_batch: int = Field(2000, ge=1, description="Most events per transaction.")
-    commit_writer: Literal["thread", "process"] = Field(
-        "thread",
-        description="Where appends run: on the group committer's thread, or in a writer "
-        "process of their own (its own connection; this process then spends only the "
-        "pickling of each batch under the GIL, so a busy event loop or trainer does not "
-        "slow commits, nor commits them). Needs a database file or server, not memory.",
+    commit_writer: Literal["auto", "thread", "process"] = Field(
+        "auto",
+        description="Where appends run: in a writer process of their own (its own "
+        "connection, on another core; this process only serialises each command, so a "
+        "busy event loop or trainer neither slows commits nor is slowed by them), or on "
+        "the group committer's thread in this process. auto: the process wherever the log "
+        "is a database file or server, the thread for the in-memory store.",
+    )
+    writer_start_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Longest a writer process may take to open the database before the "
+        "committer fails (WriterProcessError).",
+    )
+    writer_reply_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="Longest a writer process may go without answering while commands "
+        "wait to be committed (plus writer_lock_timeout_s) before it is killed and the "
+        "committer fails (WriterProcessError).",
     )
     snapshot_interval: int = Field(
         50_000, ge=0, description="Events between state snapshots (0: never snapshot)."

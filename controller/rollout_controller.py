@@ -22,14 +22,15 @@ from datetime import UTC, datetime
 from typing import Literal
 
 from rolloutlog.eventstore import (
+    Committer,
     EventStore,
     GroupCommitClosedError,
-    GroupCommitter,
     PayloadNotFoundError,
     PayloadPut,
     RunInfo,
     StoredEvent,
     StoreError,
+    open_committer,
 )
 from rolloutlog.eventstore.compaction import check_replayable
 
@@ -180,7 +181,7 @@ class RolloutController:
         # Every append of this controller also writes its events' rollout index rows.
         attach(store)
         info = store.get_run(self.run_id)
-        self.committer = GroupCommitter(
+        self.committer: Committer = open_committer(
             store,
             self.run_id,
             epoch=epoch,
@@ -189,6 +190,8 @@ class RolloutController:
             window_s=self.store_config.group_commit_window_ms / 1000,
             lock_timeout_s=self.store_config.writer_lock_timeout_s,
             writer=self.store_config.commit_writer,
+            start_timeout_s=self.store_config.writer_start_timeout_s,
+            reply_timeout_s=self.store_config.writer_reply_timeout_s,
         )
         self._last_snapshot = state.last_seq
         # Keeps the snapshot's group JSON current a slice at a time (snapshot_encoder.py).

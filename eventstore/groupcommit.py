@@ -7,9 +7,10 @@ transaction per batch, when the batch is full or the commit window has passed.
 durable, and re-raises the writer's error if an append failed: after a failure the
 committer accepts nothing more, because later events would depend on lost ones.
 
-``writer="process"`` runs each append in a child process (see writer_process.py), so
-the commit costs this process's GIL only the pickling of the batch; the writer thread
-then just waits on the child.
+:class:`GroupCommitter` appends on a thread of this process; :class:`ProcessCommitter`
+(writer_process.py) streams each command to a child process that appends there, so
+commits cost this process's GIL nothing but serialising the command. Both implement
+:class:`Committer`; :func:`open_committer` picks one.
 
 One ``submit`` call is one unit: a batch is cut only between units, never inside one,
 so the events of one command always commit in the same transaction (a crash can never
@@ -18,31 +19,159 @@ leave half a command in the log). A unit larger than ``max_batch`` commits alone
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import collections
 import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from .errors import GroupCommitClosedError, StoreError
+from .protocol import EventStoreProtocol
 from .records import NewEvent, PayloadPut
-from .store import EventStore
-
-if TYPE_CHECKING:
-    from .writer_process import WriterProcess
 
 #: Where appends run: on the committer's thread, or in a child process.
 CommitWriter = Literal["thread", "process"]
+#: What a caller may ask for: ``"auto"`` is a process where the store allows one.
+WriterChoice = Literal["auto", "thread", "process"]
+WRITERS: tuple[WriterChoice, ...] = ("auto", "thread", "process")
 
 
-class GroupCommitter:
-    """Batches appends to one run of an :class:`EventStore` on a background thread."""
+class Committer(abc.ABC):
+    """Group commit of one run's appends: offsets at once, durability at :meth:`flush`.
+
+    ``submit`` queues one command's events (and payloads) and returns the last offset it
+    assigned; the events of one call always commit in the same transaction. ``flush`` /
+    ``aflush`` return once everything submitted before them is durable, and raise
+    :class:`GroupCommitClosedError` (its cause: the append's error) after a failed append:
+    a committer that failed accepts nothing more, because later events would depend on
+    lost ones.
+    """
+
+    #: Where the appends run.
+    writer: CommitWriter
+    run_id: str
+    epoch: int
+
+    @property
+    @abc.abstractmethod
+    def durable_seq(self) -> int:
+        """Newest sequence known to be durable."""
+
+    @property
+    @abc.abstractmethod
+    def next_seq(self) -> int:
+        """Sequence the next submitted event will get."""
+
+    @property
+    @abc.abstractmethod
+    def commit_seconds(self) -> list[float]:
+        """Seconds each committed transaction took (newest last; a bounded history)."""
+
+    @abc.abstractmethod
+    def submit(self, batch: Sequence[NewEvent], payload_puts: Sequence[PayloadPut] = ()) -> int:
+        """Queue one command's events (and their payloads); return the last sequence."""
+
+    @abc.abstractmethod
+    def flush(self, timeout: float | None = None) -> int:
+        """Block until every event submitted so far is durable; return the durable sequence."""
+
+    @abc.abstractmethod
+    async def aflush(self) -> int:
+        """Await durability of everything submitted so far without blocking the event loop."""
+
+    @abc.abstractmethod
+    def close(self, *, flush: bool = True) -> None:
+        """Stop appending, first making everything submitted durable (by default)."""
+
+
+def check_committer_args(max_batch: int, window_s: float) -> None:
+    """The batching parameters every committer takes, checked the same way."""
+    if max_batch < 1:
+        raise ValueError("max_batch must be >= 1")
+    if window_s < 0:
+        raise ValueError("window_s must be >= 0")
+
+
+#: Bounded history of commit times a committer keeps (it drops the older half when full).
+COMMIT_HISTORY = 10_000
+
+
+def record_commit_seconds(history: list[float], seconds: float) -> None:
+    """Append one transaction's time to ``history``, dropping the older half when full."""
+    history.append(seconds)
+    if len(history) > COMMIT_HISTORY:
+        del history[: COMMIT_HISTORY // 2]
+
+
+def takes_writer_process(store: EventStoreProtocol) -> bool:
+    """Whether a child process can append to ``store``'s database (a SQL store opened
+    for writing; not the in-memory store, which lives in this process only)."""
+    from .store import EventStore
+
+    return isinstance(store, EventStore) and not store.readonly
+
+
+def open_committer(
+    store: EventStoreProtocol,
+    run_id: str,
+    *,
+    writer: WriterChoice = "auto",
+    epoch: int,
+    next_seq: int,
+    max_batch: int = 2000,
+    window_s: float = 0.005,
+    lock_timeout_s: float | None = None,
+    start_timeout_s: float = 60.0,
+    reply_timeout_s: float = 120.0,
+) -> Committer:
+    """A committer of ``run_id`` whose appends run where ``writer`` says.
+
+    ``"process"`` needs a database another process can open (a SQLite file or a
+    PostgreSQL server, opened for writing), not a :class:`MemoryEventStore`;
+    ``"auto"`` takes a process there and the committer's thread elsewhere.
+    ``start_timeout_s`` / ``reply_timeout_s``: the writer process's deadlines (see
+    :class:`~rolloutlog.eventstore.writer_process.ProcessCommitter`).
+    """
+    if writer not in WRITERS:
+        raise ValueError(f"writer must be 'auto', 'thread' or 'process', got {writer!r}")
+    if writer == "auto":
+        writer = "process" if takes_writer_process(store) else "thread"
+    if writer == "process":
+        from .writer_process import ProcessCommitter
+
+        return ProcessCommitter(
+            store,
+            run_id,
+            epoch=epoch,
+            next_seq=next_seq,
+            max_batch=max_batch,
+            window_s=window_s,
+            lock_timeout_s=lock_timeout_s,
+            start_timeout_s=start_timeout_s,
+            reply_timeout_s=reply_timeout_s,
+        )
+    return GroupCommitter(
+        store,
+        run_id,
+        epoch=epoch,
+        next_seq=next_seq,
+        max_batch=max_batch,
+        window_s=window_s,
+        lock_timeout_s=lock_timeout_s,
+    )
+
+
+class GroupCommitter(Committer):
+    """Batches appends to one run of a store on a background thread of this process."""
+
+    writer: CommitWriter = "thread"
 
     def __init__(
         self,
-        store: EventStore,
+        store: EventStoreProtocol,
         run_id: str,
         *,
         epoch: int,
@@ -50,14 +179,8 @@ class GroupCommitter:
         max_batch: int = 2000,
         window_s: float = 0.005,
         lock_timeout_s: float | None = None,
-        writer: CommitWriter = "thread",
     ) -> None:
-        if max_batch < 1:
-            raise ValueError("max_batch must be >= 1")
-        if window_s < 0:
-            raise ValueError("window_s must be >= 0")
-        if writer not in ("thread", "process"):
-            raise ValueError(f"writer must be 'thread' or 'process', got {writer!r}")
+        check_committer_args(max_batch, window_s)
         self.store = store
         self.run_id = run_id
         self.epoch = epoch
@@ -82,12 +205,7 @@ class GroupCommitter:
         # instead of waiting out the commit window (a flush should cost one fsync).
         self._wanted = next_seq - 1
         self._waiters: list[tuple[int, asyncio.AbstractEventLoop, asyncio.Future[int]]] = []
-        #: Seconds spent in each committed transaction (for the append-latency metric).
-        self.commit_seconds: list[float] = []
-        self.writer: CommitWriter = writer
-        self._process: WriterProcess | None = None
-        if writer == "process":
-            self._process = _start_writer_process(store)
+        self._commit_seconds: list[float] = []
         self._thread = threading.Thread(
             target=self._run, name=f"rolloutlog-commit-{run_id}", daemon=True
         )
@@ -103,6 +221,11 @@ class GroupCommitter:
     def next_seq(self) -> int:
         """Sequence the next submitted event will get."""
         return self._next_seq
+
+    @property
+    def commit_seconds(self) -> list[float]:
+        """Seconds spent in each committed transaction (for the append-latency metric)."""
+        return self._commit_seconds
 
     def submit(self, batch: Sequence[NewEvent], payload_puts: Sequence[PayloadPut] = ()) -> int:
         """Queue events (and their payloads) for appending; return the last sequence assigned.
@@ -178,8 +301,8 @@ class GroupCommitter:
         return await fut
 
     def close(self, *, flush: bool = True) -> None:
-        """Stop the writer thread (and process), first making everything submitted
-        durable (by default); a failed flush still stops them, then raises."""
+        """Stop the writer thread, first making everything submitted durable (by
+        default); a failed flush still stops it, then raises."""
         try:
             if flush and self._error is None and not self._closed:
                 self.flush()
@@ -188,8 +311,6 @@ class GroupCommitter:
                 self._closed = True
                 self._cv.notify_all()
             self._thread.join()
-            if self._process is not None:
-                self._process.close()
 
     def _raise_if_unusable(self) -> None:
         if self._error is not None:
@@ -258,8 +379,7 @@ class GroupCommitter:
                 first = self._queued_from
                 self._queued_from += len(batch)
             started = time.perf_counter()
-            append = self.store.append if self._process is None else self._process.append
-            last = append(
+            last = self.store.append(
                 self.run_id,
                 batch,
                 expected_seq=first,
@@ -267,9 +387,7 @@ class GroupCommitter:
                 payload_puts=puts,
                 lock_timeout_s=self.lock_timeout_s,
             )
-            self.commit_seconds.append(time.perf_counter() - started)
-            if len(self.commit_seconds) > 10_000:
-                del self.commit_seconds[:5_000]
+            record_commit_seconds(self._commit_seconds, time.perf_counter() - started)
             with self._cv:
                 self._durable = max(self._durable, last)
                 ready = [w for w in self._waiters if w[0] <= self._durable]
@@ -290,21 +408,6 @@ class GroupCommitter:
         for _, loop, fut in waiters:
             with contextlib.suppress(BaseException):  # already failing: wake all we can
                 _notify(loop, _reject, fut, err)
-
-
-def _start_writer_process(store: EventStore) -> WriterProcess:
-    """A writer process on ``store``'s database with ``store``'s indexers."""
-    from .writer_process import WriterProcess
-
-    if not isinstance(store, EventStore):
-        raise StoreError(
-            f"a writer process needs a database another process can open, not {store!r}: "
-            "use writer='thread' with an in-memory store"
-        )
-    if store.readonly:
-        raise StoreError("a writer process cannot append to a store opened read-only")
-    # (EventStore refuses in-memory SQLite URLs: every store URL names a file or server.)
-    return WriterProcess(store.url.render_as_string(hide_password=False), store.indexers)
 
 
 def _notify(

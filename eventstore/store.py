@@ -25,7 +25,6 @@ from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.engine.url import URL
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, NoSuchModuleError
 
-from . import migrate
 from .bulk import MultiRowInsert
 from .errors import (
     AppendConflictError,
@@ -142,7 +141,8 @@ class EventStore:
 
     Open with :meth:`open`. All methods are synchronous and thread-safe (each call takes a
     pooled connection); the asyncio controller reaches the disk through
-    :class:`rolloutlog.eventstore.groupcommit.GroupCommitter`, which runs appends on its own thread.
+    :class:`rolloutlog.eventstore.groupcommit.Committer`, which runs appends on its own thread
+    or in a writer process.
     """
 
     def __init__(self, engine: Engine, url: URL, *, readonly: bool = False) -> None:
@@ -212,6 +212,8 @@ class EventStore:
                 with engine.connect() as conn:
                     conn.exec_driver_sql("SELECT 1")
             if check_schema:
+                from . import migrate  # alembic: imported only where a schema is checked
+
                 if create and not readonly:
                     with store._translate_errors("creating the schema"):
                         migrate.ensure_schema(engine)

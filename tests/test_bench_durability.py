@@ -36,6 +36,7 @@ def test_busy_trainer_variant_measures_the_same_events_both_ways() -> None:
         data["commit_s_per_event_busy"] / data["commit_s_per_event_idle"]
     )
     assert data["training_step_s"] > 0
+    assert data["trainer_threads"] == 1  # a busy main thread, by default
 
 
 def test_durability_bench_with_a_writer_process() -> None:
@@ -46,5 +47,11 @@ def test_durability_bench_with_a_writer_process() -> None:
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert data["commit_writer"] == data["busy_trainer"]["commit_writer"] == "process"
+    assert data["busy_trainer_all_cores"]["commit_writer"] == "process"
+    assert data["busy_trainer"]["trainer_threads"] == 1
     assert data["events"] > 128 * 4
-    assert set(data["ratios"]) == {"durability_overhead", "commit_busy_vs_idle"}
+    assert set(data["ratios"]) == {
+        "durability_overhead",
+        "commit_busy_vs_idle",
+        "commit_busy_all_cores_vs_idle",
+    }

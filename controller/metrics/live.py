@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rolloutlog.eventstore import EventStore, StoreError
+from rolloutlog.eventstore.groupcommit import COMMIT_HISTORY
 from rolloutlog.eventstore.watch import AppendWatcher
 
 from ..domain.events import CODEC, CheckpointMarked, RolloutEvent
@@ -56,9 +57,9 @@ APPEND_BUCKETS: tuple[float, ...] = (
 CHECKPOINT_BUCKETS: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
-#: How many entries GroupCommitter drops from the front of ``commit_seconds`` when it
-#: trims the list (it keeps it under 10,000 entries).
-_COMMITTER_TRIM = 5_000
+#: How many entries a committer drops from the front of ``commit_seconds`` when it
+#: trims the list (see groupcommit.record_commit_seconds).
+_COMMITTER_TRIM = COMMIT_HISTORY // 2
 #: Listener batches held back waiting for an earlier one before a resync from the log.
 _MAX_PENDING = 10_000
 

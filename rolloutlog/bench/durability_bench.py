@@ -22,7 +22,8 @@ from rolloutlog.controller.backends.deterministic_backend import DeterministicBa
 from rolloutlog.controller.config import RolloutConfig, StoreConfig
 from rolloutlog.controller.rollout_controller import RolloutController
 from rolloutlog.controller.rollout_runtime import GenerationConfig, RolloutRuntime
-from rolloutlog.eventstore import EventStore, MemoryEventStore
+from rolloutlog.eventstore import EventStore, MemoryEventStore, open_committer
+from rolloutlog.eventstore.groupcommit import WriterChoice
 
 
 class _Prompts:
@@ -41,7 +42,11 @@ class _Prompts:
 
 
 async def _rollout(
-    store: Any, groups: int, groups_per_step: int, latency: float, commit_writer: str = "thread"
+    store: Any,
+    groups: int,
+    groups_per_step: int,
+    latency: float,
+    commit_writer: WriterChoice = "auto",
 ) -> float:
     steps = groups // groups_per_step
     rollout = RolloutConfig(
@@ -88,7 +93,7 @@ def run_durability_bench(
     latency: float = 0.0,
     repeats: int = 3,
     synchronous: str = "FULL",
-    commit_writer: str = "thread",
+    commit_writer: WriterChoice = "auto",
 ) -> dict[str, Any]:
     """Median wall time of the rollout on SQLite and in memory, and their ratio.
 
@@ -135,18 +140,17 @@ def _training_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.
 
 
 def _commit_seconds_per_event(
-    path: Path, rows: Sequence[Any], per_submit: int, pace: Any, writer: str
+    path: Path, rows: Sequence[Any], per_submit: int, pace: Any, writer: WriterChoice
 ) -> tuple[float, int]:
     """Submit ``rows`` ``per_submit`` at a time to a fresh log, calling ``pace()`` between
     submits; return the commit thread's seconds per event and the number of commits."""
     from rolloutlog.controller.rollout_index import attach
-    from rolloutlog.eventstore import GroupCommitter
 
     store = EventStore.open(f"sqlite:///{path}")
     try:
         store.create_run("bench")
         attach(store)
-        committer = GroupCommitter(store, "bench", epoch=1, next_seq=1, writer=writer)  # type: ignore[arg-type]
+        committer = open_committer(store, "bench", writer=writer, epoch=1, next_seq=1)
         try:
             for start in range(0, len(rows), per_submit):
                 committer.submit(rows[start : start + per_submit])
@@ -161,15 +165,24 @@ def _commit_seconds_per_event(
 
 
 def run_busy_trainer_bench(
-    *, events: int = 50_000, per_submit: int = 16, repeats: int = 3, commit_writer: str = "thread"
+    *,
+    events: int = 50_000,
+    per_submit: int = 16,
+    repeats: int = 3,
+    commit_writer: WriterChoice = "auto",
+    trainer_threads: int | None = 1,
 ) -> dict[str, Any]:
-    """The commit thread's time per event while the main thread trains, against the same
+    """The commit's time per event while the main thread trains, against the same
     submissions paced by sleeping (the GIL free) for as long as a training step takes.
 
     The events are the domain's ``SiblingCompleted`` rows with their rollout index keys,
     submitted a group (16) at a time as the pump does; the trainer is a 2-layer MLP
-    (256 wide, batch 64) taking one optimizer step between submits. Ratio
-    ``commit_busy_vs_idle`` = seconds per event busy / idle (median of alternating runs).
+    (256 wide, batch 64) taking one optimizer step between submits, on
+    ``trainer_threads`` torch threads (1: a CPU-busy main thread, the GIL contention the
+    measure is about; None: torch's default, every core, which also takes the CPU a
+    writer process would run on). Ratio ``commit_busy_vs_idle`` = seconds per event busy
+    / idle (median of alternating runs). A commit's time is what the committer records:
+    the append call, on its thread or in the writer process.
     """
     from datetime import UTC, datetime
 
@@ -188,38 +201,46 @@ def run_busy_trainer_bench(
         )
         for i in range(events)
     ]  # fmt: skip
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256)
-    )
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x = torch.randn(64, 256)
-    for _ in range(20):
-        _training_step(model, opt, x)
-    started = time.perf_counter()
-    for _ in range(50):
-        _training_step(model, opt, x)
-    step_s = (time.perf_counter() - started) / 50
+    threads_before = torch.get_num_threads()
+    if trainer_threads is not None:
+        torch.set_num_threads(trainer_threads)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256)
+        )
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        x = torch.randn(64, 256)
+        for _ in range(20):
+            _training_step(model, opt, x)
+        started = time.perf_counter()
+        for _ in range(50):
+            _training_step(model, opt, x)
+        step_s = (time.perf_counter() - started) / 50
+        threads_used = torch.get_num_threads()
 
-    idle: list[float] = []
-    busy: list[float] = []
-    commits: dict[str, list[int]] = {"idle": [], "busy": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(repeats):
-            for kind in ("idle", "busy") if r % 2 == 0 else ("busy", "idle"):
-                pace = (lambda: time.sleep(step_s)) if kind == "idle" else (
-                    lambda: _training_step(model, opt, x)
-                )  # fmt: skip
-                per_event, n = _commit_seconds_per_event(
-                    Path(tmp) / f"{kind}-{r}.db", rows, per_submit, pace, commit_writer
-                )
-                (idle if kind == "idle" else busy).append(per_event)
-                commits[kind].append(n)
+        idle: list[float] = []
+        busy: list[float] = []
+        commits: dict[str, list[int]] = {"idle": [], "busy": []}
+        with tempfile.TemporaryDirectory() as tmp:
+            for r in range(repeats):
+                for kind in ("idle", "busy") if r % 2 == 0 else ("busy", "idle"):
+                    pace = (lambda: time.sleep(step_s)) if kind == "idle" else (
+                        lambda: _training_step(model, opt, x)
+                    )  # fmt: skip
+                    per_event, n = _commit_seconds_per_event(
+                        Path(tmp) / f"{kind}-{r}.db", rows, per_submit, pace, commit_writer
+                    )
+                    (idle if kind == "idle" else busy).append(per_event)
+                    commits[kind].append(n)
+    finally:
+        torch.set_num_threads(threads_before)
     idle_s, busy_s = statistics.median(idle), statistics.median(busy)
     return {
         "events": events,
         "per_submit": per_submit,
         "commit_writer": commit_writer,
+        "trainer_threads": threads_used,
         "training_step_s": step_s,
         "commit_s_per_event_idle": idle_s,
         "commit_s_per_event_busy": busy_s,

@@ -11,12 +11,14 @@ from storetest_helpers import make_batch, make_event
 
 from rolloutlog.eventstore import (
     AppendConflictError,
+    Committer,
     EpochFencedError,
     EventStore,
     GroupCommitClosedError,
     GroupCommitter,
     PayloadNotFoundError,
     PayloadPut,
+    open_committer,
 )
 
 
@@ -29,15 +31,14 @@ def committers(request: pytest.FixtureRequest):
     its appends in this process, or runs on the memory store (no other process sees it).
     """
     writer = request.param
-    made: list[GroupCommitter] = []
+    made: list[Committer] = []
 
-    def _make(store: EventStore, run_id: str = "r1", **kw: object) -> GroupCommitter:
+    def _make(store: EventStore, run_id: str = "r1", **kw: object) -> Committer:
         if writer == "process" and not isinstance(store, EventStore):
             pytest.skip(f"{type(store).__name__} lives in this process only")
-        kw.setdefault("writer", writer)
         kw.setdefault("epoch", 1)
         kw.setdefault("next_seq", store.last_seq(run_id) + 1)
-        gc = GroupCommitter(store, run_id, **kw)  # type: ignore[arg-type]
+        gc = open_committer(store, run_id, writer=writer, **kw)  # type: ignore[arg-type]
         made.append(gc)
         return gc
 
