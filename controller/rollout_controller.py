@@ -51,7 +51,7 @@ from .domain.events import CheckpointMarked, RolloutEvent, SiblingCompleted
 from .domain.invariants import check_invariants
 from .domain.state import RunState
 from .gc_freeze import HeapFreezer
-from .rollout_index import IndexedEvent, attach, encode, read_history_indexed
+from .rollout_index import IndexedEvent, attach, encode, encode_many, read_history_indexed
 from .snapshot_encoder import SnapshotEncoder, decode_snapshot, encode_snapshot
 
 log = logging.getLogger(__name__)
@@ -435,7 +435,7 @@ class RolloutController:
                 self._check_payload(command.completion.payload_id, payload_puts)
             now = self.clock()
             ts, wv = self.state.train_step, self.state.weight_version
-            rows = [encode(ev, recorded_at=now, train_step=ts, weight_version=wv) for ev in events]
+            rows = encode_many(events, recorded_at=now, train_step=ts, weight_version=wv)
             # Only this controller submits to its committer (under this lock), so the
             # offsets it will assign are known before anything is queued.
             first = self.committer.next_seq

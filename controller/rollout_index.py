@@ -157,6 +157,21 @@ def encode(
     return CODEC.encode(event, recorded_at=recorded_at, derived=(*keys, train_step, weight_version))
 
 
+def encode_many(
+    events: Sequence[RolloutEvent],
+    *,
+    recorded_at: datetime,
+    train_step: int | None = None,
+    weight_version: int | None = None,
+) -> list[NewEvent]:
+    """:func:`encode` of one command's events (one time, one trainer state), in one call."""
+    return CODEC.encode_many(
+        events,
+        recorded_at=recorded_at,
+        derived=[(*ev.audit_keys(), train_step, weight_version) for ev in events],
+    )
+
+
 # ---------------------------------------------------------------- reads
 #: Events read per chunk by :func:`read_indexed` (bounds memory on long histories).
 _CHUNK = 5000

@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import gc
 import marshal
 import os
 import pickle
@@ -54,7 +55,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -750,7 +750,11 @@ def _safe_url(url: str) -> str:
 
 # ---------------------------------------------------------------- child side
 class _Child:
-    """The child's side: commands read and not yet committed, flush requests, its pipes."""
+    """The child's side: bytes of commands not yet committed, flush requests, its pipes.
+
+    Commands stay raw bytes until a batch takes them (``take_batch``), so a backlog
+    costs a bytearray, not millions of objects for the garbage collector to walk.
+    """
 
     def __init__(
         self, commands: int, control: int, answers: int, buffer_limit: int = _CHILD_BUFFER
@@ -761,14 +765,12 @@ class _Child:
         self.buf = bytearray()
         #: Most unparsed bytes held (always enough for the next whole frame).
         self.buffer_limit = buffer_limit
-        self.units: deque[tuple[list[NewEvent], list[PayloadPut]]] = deque()
-        self.queued = 0  # events in units
-        self.first_at = 0.0  # when the oldest queued unit arrived
+        #: A command read but left out of the last batch (it would have overfilled it).
+        self.carry: tuple[list[NewEvent], list[PayloadPut]] | None = None
+        self.pending_since: float | None = None  # when the oldest uncommitted bytes came
         self.flush_upto = 0  # highest offset a flush waits for
         self.eof = False  # the command pipe ended: commit what is left and exit
         self.failed = False
-        #: The arguments of the ``open`` message.
-        self.opening: tuple[Any, ...] | None = None
 
     def send(self, message: tuple[Any, ...]) -> None:
         frame = _pickle_frame(message) if message[0] == "error" else _frame(message)
@@ -785,65 +787,86 @@ class _Child:
         return ready
 
     def read(self) -> None:
-        """Take every flush request and whole command the pipes hold now."""
+        """Take every flush request and the command bytes the pipes hold now."""
         requests = bytearray()
         if not _read_into(self.control, requests, 1 << 20):
             self.eof = True  # the parent is gone with its end of the control pipe
         for (target,) in _FLUSH.iter_unpack(requests[: len(requests) // 8 * 8]):
             self.flush_upto = max(self.flush_upto, target)
-        # Hold at most _CHILD_BUFFER unparsed bytes, but always enough for the next frame.
+        # Hold at most buffer_limit bytes, but always enough for the next whole frame.
         limit = self.buffer_limit
         if len(self.buf) >= _HEADER.size:
             limit = max(limit, _HEADER.size + _HEADER.unpack_from(self.buf)[0])
+        held = len(self.buf)
         if not self.eof and not _read_into(self.commands, self.buf, limit):
             self.eof = True
-        for message in _parse_frames(self.buf):
-            self.take(message)
+        if self.failed:
+            _parse_frames(self.buf)  # after a failed append nothing may follow it
+        elif len(self.buf) > held and self.pending_since is None:
+            self.pending_since = time.monotonic()
 
-    def take(self, message: tuple[Any, ...]) -> None:
-        kind = message[0]
-        if kind == "open":
-            self.opening = tuple(message[1:])
-        elif kind in ("u", "U"):
-            if self.failed:
-                return  # after a failed append nothing may follow it
-            _, rows, puts = message
-            events = _unit_events(kind, rows)
-            if not self.units:
-                self.first_at = time.monotonic()
-            self.units.append((events, [PayloadPut(*p) for p in puts]))
-            self.queued += len(events)
+    def next_message(self) -> tuple[Any, ...] | None:
+        """The first whole frame's message, removed from the buffer (None: none yet)."""
+        if len(self.buf) < _HEADER.size:
+            return None
+        (length,) = _HEADER.unpack_from(self.buf)
+        end = _HEADER.size + length
+        if len(self.buf) < end:
+            return None
+        body = bytes(self.buf[_HEADER.size + 1 : end])
+        message = marshal.loads(body) if self.buf[_HEADER.size] == ord("m") else pickle.loads(body)
+        del self.buf[:end]
+        return message  # type: ignore[no-any-return]
 
-    def due(self, next_seq: int, max_batch: int, window_s: float) -> bool:
-        """Whether the queued commands commit now rather than wait for more."""
+    def pending(self) -> bool:
+        """Whether a whole command waits to be committed."""
+        if self.carry is not None:
+            return True
+        if len(self.buf) < _HEADER.size:
+            return False
+        return len(self.buf) >= _HEADER.size + _HEADER.unpack_from(self.buf)[0]
+
+    def due(self, next_seq: int, window_s: float) -> bool:
+        """Whether the waiting commands commit now rather than wait for more."""
         return (
-            self.flush_upto >= next_seq
+            self.flush_upto >= next_seq  # a flush waits (or the parent saw a full batch)
             or self.eof
-            or self.queued >= max_batch
-            or time.monotonic() >= self.first_at + window_s
+            or self.carry is not None  # the last batch was full: more is waiting
+            or self.pending_since is None
+            or time.monotonic() >= self.pending_since + window_s
         )
 
+    def until_due(self, window_s: float) -> float:
+        since = time.monotonic() if self.pending_since is None else self.pending_since
+        return max(0.0, since + window_s - time.monotonic())
+
     def take_batch(self, max_batch: int) -> tuple[list[NewEvent], list[PayloadPut]]:
-        """Whole units from the front, up to ``max_batch`` events (at least one unit)."""
+        """Whole commands from the front, up to ``max_batch`` events (at least one)."""
         batch: list[NewEvent] = []
         puts: list[PayloadPut] = []
-        while self.units:
-            events, unit_puts = self.units[0]
-            if batch and len(batch) + len(events) > max_batch:
-                break  # cut between commands, never inside one
-            self.units.popleft()
-            batch += events
-            puts += unit_puts
-        self.queued -= len(batch)
-        if self.units:
-            self.first_at = time.monotonic()
+        while True:
+            unit = self.carry
+            self.carry = None
+            if unit is None:
+                message = self.next_message()
+                if message is None:
+                    break
+                kind, rows, unit_puts = message
+                unit = (_unit_events(kind, rows), [PayloadPut(*p) for p in unit_puts])
+            if batch and len(batch) + len(unit[0]) > max_batch:
+                self.carry = unit  # cut between commands, never inside one
+                break
+            batch += unit[0]
+            puts += unit[1]
+        self.pending_since = time.monotonic() if self.pending() else None
         return batch, puts
 
     def fail(self) -> None:
-        """After a failed append: drop what is queued, and everything that follows."""
+        """After a failed append: drop what is waiting, and everything that follows."""
         self.failed = True
-        self.units.clear()
-        self.queued = 0
+        self.carry = None
+        _parse_frames(self.buf)
+        self.pending_since = None
 
 
 def _storable(exc: BaseException) -> StoreError:
@@ -863,13 +886,15 @@ def _serve(commands: int, control: int, answers: int) -> None:
     for fd in (commands, control):
         os.set_blocking(fd, False)
     child = _Child(commands, control, answers)
-    while child.opening is None:
+    opening: tuple[Any, ...] | None = None
+    while opening is None:
         child.wait(60.0, commands=True)
-        if child.eof and child.opening is None:
+        message = child.next_message()
+        if message is not None:
+            opening = tuple(message[1:])
+        elif child.eof:
             return
-    parent, url, run_id, epoch, next_seq, indexers, max_batch, window_s, lock_timeout_s = (
-        child.opening
-    )
+    parent, url, run_id, epoch, next_seq, indexers, max_batch, window_s, lock_timeout_s = opening
     try:
         # The parent opened (and checked the schema of) this database already.
         store = EventStore.open(url, create=False, check_schema=False)
@@ -879,19 +904,22 @@ def _serve(commands: int, control: int, answers: int) -> None:
         with contextlib.suppress(BrokenPipeError):
             child.send(("error", _storable(exc)))
         return
+    # What is alive now (modules, the engine) lives as long as this process: keep it out
+    # of the collector's walks, which then see only a batch's worth of objects.
+    gc.freeze()
     try:
         child.send(("ready", os.getpid()))
         while True:
-            if not child.units:
+            if child.failed or not child.pending():
                 if child.eof:
                     break
                 if not child.wait(1.0, commands=True) and os.getppid() != parent:
                     child.eof = True  # the parent is gone (someone else holds its pipe)
                 continue
-            if not child.due(next_seq, max_batch, window_s):
+            if not child.due(next_seq, window_s):
                 # Sleep on the control pipe only: a command written meanwhile does not
                 # wake this process (which would cost the writer a wake-up per command).
-                child.wait(max(0.0, child.first_at + window_s - time.monotonic()), commands=False)
+                child.wait(child.until_due(window_s), commands=False)
                 continue
             child.read()  # everything that has arrived joins this transaction
             batch, puts = child.take_batch(max_batch)

@@ -79,7 +79,7 @@ from rolloutlog.controller.rollout_controller import (
     replay,
     run_fingerprint,
 )
-from rolloutlog.controller.rollout_index import attach, encode
+from rolloutlog.controller.rollout_index import attach, encode_many
 from rolloutlog.eventstore import EventStore, NewEvent
 
 from ._common import scratch_dir
@@ -374,11 +374,10 @@ class RunDriver:
         if self._writer is not None:
             now = datetime.now(UTC)
             ts, wv = state.train_step, state.weight_version
-            rows = self._rows
+            self._rows += encode_many(events, recorded_at=now, train_step=ts, weight_version=wv)
             for ev in events:
-                rows.append(encode(ev, recorded_at=now, train_step=ts, weight_version=wv))
                 evolve(state, ev, state.last_seq + 1)
-            if len(rows) >= self.batch_rows:
+            if len(self._rows) >= self.batch_rows:
                 self._ship()
         else:
             for ev in events:

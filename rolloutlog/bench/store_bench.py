@@ -59,7 +59,6 @@ from rolloutlog.eventstore import (
     EventCodec,
     EventModel,
     EventStore,
-    GroupCommitter,
     NewEvent,
     open_committer,
 )
@@ -671,6 +670,25 @@ def _index_keys(s: Spec) -> tuple[int, int | None, int | None, int, int]:
     return (s.group_id, s.prompt_index, s.target_step, s.train_step, s.weight_version)
 
 
+def _encode_slice(
+    codec: EventCodec,
+    models: Sequence[EventModel],
+    specs: Sequence[Spec],
+    start: int,
+    n: int,
+    *,
+    with_index: bool,
+) -> list[NewEvent]:
+    """Events ``start .. start + n - 1`` encoded as the runtime encodes them (timed): one
+    ``encode_many`` call per command, each event with its own time and index keys."""
+    part = specs[start : start + n]
+    return codec.encode_many(
+        models[start : start + n],
+        recorded_at=[s.recorded_at for s in part],
+        derived=[_index_keys(s) for s in part] if with_index else None,
+    )
+
+
 def _append_batches(
     store: EventStore,
     codec: EventCodec,
@@ -681,15 +699,9 @@ def _append_batches(
     first_seq: int,
 ) -> int:
     """Encode and append ``models`` in batches starting at ``first_seq``; return the last seq."""
-    encode = codec.encode
     seq = first_seq
     for start in range(0, len(models), batch):
-        rows = [
-            encode(m, recorded_at=s.recorded_at, derived=_index_keys(s))
-            for m, s in zip(
-                models[start : start + batch], specs[start : start + batch], strict=True
-            )
-        ]
+        rows = _encode_slice(codec, models, specs, start, batch, with_index=True)
         seq = store.append(RUN_ID, rows, expected_seq=seq, epoch=1) + 1
     return seq - 1
 
@@ -750,7 +762,6 @@ def bench_group_commit(
     another core); its child is started (the database opened) before the clock, and
     its CPU time is added to this process's (``cpu_seconds`` counts both)."""
     codec = make_codec()
-    encode = codec.encode
     models = [rolloutlog_event(s) for s in specs]
     n = len(models)
     with EventStore.open(f"sqlite:///{path}") as store:
@@ -767,14 +778,7 @@ def bench_group_commit(
             with _Stopwatch() as append_clock:
                 for start in range(0, n, submit_size):
                     committer.submit(
-                        [
-                            encode(m, recorded_at=s.recorded_at, derived=_index_keys(s))
-                            for m, s in zip(
-                                models[start : start + submit_size],
-                                specs[start : start + submit_size],
-                                strict=True,
-                            )
-                        ]
+                        _encode_slice(codec, models, specs, start, submit_size, with_index=True)
                     )
                 durable = committer.flush()
             child_cpu = _child_cpu_seconds(committer) - child_cpu0
@@ -1284,11 +1288,7 @@ def _typed_rows(
     models: Sequence[EventModel], specs: Sequence[Spec], start: int, n: int, *, with_index: bool
 ) -> list[NewEvent]:
     """Events ``start .. start + n - 1`` encoded as the runtime encodes them (timed)."""
-    encode = CODEC.encode
-    return [
-        encode(m, recorded_at=s.recorded_at, derived=_index_keys(s) if with_index else None)
-        for m, s in zip(models[start : start + n], specs[start : start + n], strict=True)
-    ]
+    return _encode_slice(CODEC, models, specs, start, n, with_index=with_index)
 
 
 def bench_pg_rolloutlog(
@@ -1382,17 +1382,25 @@ def bench_pg_rows_built(store: EventStore, specs: Sequence[Spec], *, batch: int)
 
 
 def bench_pg_group_commit(
-    store: EventStore, specs: Sequence[Spec], *, batch: int, unit: int = 8
+    store: EventStore,
+    specs: Sequence[Spec],
+    *,
+    batch: int,
+    unit: int = 8,
+    writer: CommitWriter = "thread",
 ) -> Measured:
     """The runtime's path: the caller encodes typed events and submits them a command
-    (``unit`` events) at a time; the :class:`GroupCommitter`'s thread appends up to
-    ``batch`` per transaction meanwhile; the clock stops when ``flush`` says all is
-    durable. Encoding thus overlaps the server's work, as it does in a training run."""
+    (``unit`` events) at a time; the committer appends up to ``batch`` per transaction
+    meanwhile (on its thread, or in a writer process, started before the clock); the
+    clock stops when ``flush`` says all is durable. Encoding thus overlaps the
+    server's work, as it does in a training run."""
     run_id = f"bench-gc-{uuid.uuid4().hex[:8]}"
     store.create_run(run_id)
     models = [rolloutlog_event(s) for s in specs]
-    committer = GroupCommitter(store, run_id, epoch=1, next_seq=1, max_batch=batch)
+    committer = open_committer(store, run_id, writer=writer, epoch=1, next_seq=1, max_batch=batch)
     try:
+        if isinstance(committer, ProcessCommitter):
+            committer.wait_started(timeout=120)
         with _Stopwatch() as clock:
             for start in range(0, len(models), unit):
                 committer.submit(_typed_rows(models, specs, start, unit, with_index=False))
@@ -1429,6 +1437,7 @@ def run_pg_store_benchmark(
         "rolloutlog_indexed": [],
         "rows_built": [],
         "group_commit": [],
+        "process_commit": [],
     }
     latencies: list[tuple[float, float]] = []
     with EventStore.open(url) as plain, EventStore.open(url) as indexed:
@@ -1442,6 +1451,9 @@ def run_pg_store_benchmark(
             samples["rolloutlog_indexed"].append(m)
             samples["rows_built"].append(bench_pg_rows_built(plain, specs, batch=batch))
             samples["group_commit"].append(bench_pg_group_commit(plain, specs, batch=batch))
+            samples["process_commit"].append(
+                bench_pg_group_commit(plain, specs, batch=batch, writer="process")
+            )
     systems = {name: _best(ms).as_dict() for name, ms in samples.items()}
     raw = systems["raw_copy"]["append_eps"]
     # The target is on the upper bound (append called -> reader woke): the commit is
@@ -1462,6 +1474,7 @@ def run_pg_store_benchmark(
         # like the COPY of ready rows), and the runtime's overlapped path.
         "append_rows_built_vs_raw_copy": _ratio(systems["rows_built"]["append_eps"], raw),
         "group_commit_vs_raw_copy": _ratio(systems["group_commit"]["append_eps"], raw),
+        "process_commit_vs_raw_copy": _ratio(systems["process_commit"]["append_eps"], raw),
         # The same three, as the median of ratios paired within a round (less swayed
         # by one lucky round of the baseline than the ratio of bests).
         "append_vs_raw_copy_paired_median": _paired_median(
@@ -1472,6 +1485,9 @@ def run_pg_store_benchmark(
         ),
         "group_commit_vs_raw_copy_paired_median": _paired_median(
             samples["group_commit"], samples["raw_copy"]
+        ),
+        "process_commit_vs_raw_copy_paired_median": _paired_median(
+            samples["process_commit"], samples["raw_copy"]
         ),
     }
     met = {

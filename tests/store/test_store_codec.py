@@ -115,12 +115,39 @@ def test_encode_decode_round_trip_through_the_store(store: EventStore) -> None:
     assert [type(d) for d in decoded] == [SiblingDone, StepDone, SiblingDone]
 
 
+def test_encode_many_is_encode_of_each_event() -> None:
+    events = [
+        SiblingDone(group_id=4, prompt_index=17, target_step=2, reward=0.5, tokens=99, note="ü✓"),
+        StepDone(step=2, groups=(4, 5, 6)),
+        SiblingDone(group_id=5, prompt_index=18, target_step=2, reward=-1e-9, tokens=0),
+    ]
+    stamps = [NOW + timedelta(microseconds=i) for i in range(3)]
+    keys = [(1, "a"), None, (3, None)]
+    many = codec.encode_many(events, recorded_at=stamps, derived=keys)
+    one_by_one = [
+        codec.encode(e, recorded_at=t, derived=k) for e, t, k in zip(events, stamps, keys)
+    ]
+    assert many == one_by_one
+    assert all(type(row) is NewEvent for row in many)
+    assert many[2].derived == (3, None) and many[1].derived is None
+    # One time for all (a command's events), no derived values at all.
+    shared = codec.encode_many(events, recorded_at=NOW)
+    assert shared == [codec.encode(e, recorded_at=NOW) for e in events]
+    assert codec.encode_many([], recorded_at=NOW) == []
+    with pytest.raises(ValueError, match="3 events, 2 recorded_at values and 3 derived"):
+        codec.encode_many(events, recorded_at=stamps[:2], derived=keys)
+    with pytest.raises(ValueError, match="3 events, 3 recorded_at values and 1 derived"):
+        codec.encode_many(events, recorded_at=NOW, derived=keys[:1])
+
+
 def test_encode_refuses_unregistered_classes() -> None:
     class Stray(EventModel):
         event_type: ClassVar[str] = "Stray"
 
     with pytest.raises(TypeError, match="not registered"):
         codec.encode(Stray(), recorded_at=NOW)
+    with pytest.raises(TypeError, match="Stray is not registered"):
+        codec.encode_many([StepDone(step=1, groups=()), Stray()], recorded_at=NOW)
     other = EventCodec()
     with pytest.raises(TypeError, match="already registered"):
         other.register(SiblingDone)
