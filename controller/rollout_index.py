@@ -2,20 +2,37 @@
 
 The event store knows nothing about rollouts. The keys audit looks events up by (the
 group, prompt and target step an event is about; the train step and weight version when
-it was recorded) live in the controller's own table ``rollout_index``, one row per event
-keyed by ``(run_id, seq)``. :data:`ROLLOUT_INDEXER` is registered with the store
-(:func:`attach`) and writes those rows in the same transaction as their events, so a row
-exists exactly when its event does; a compaction removes them with their events.
+it was recorded) live in the controller's own tables, written by indexers registered
+with the store (:func:`attach`) in the same transaction as their events, so a row exists
+exactly when its event does; a compaction removes them with their events:
 
-The table is created by the controller's own alembic revisions
-(``controller/index_migrations``): ``0004_rollout_index`` created it and backfilled it
-from the audit columns the ``events`` table had in revisions 0001-0003, and
+- ``rollout_index``: one row per event that is *not* a sibling event (admissions,
+  commits, selections, steps, engines...), every key as a column, keyed by
+  ``(run_id, seq)`` with partial indexes of the sparse keys and a (type, train step)
+  index ("the batch of step t").
+- ``rollout_sibling_index``: one narrow row ``(run_id, seq, group_id)`` per sibling event
+  (``SiblingDispatched``, ``SiblingCompleted``, ``SiblingFailed``, ``SiblingAborted``),
+  nine in ten events of a run: on SQLite a ``WITHOUT ROWID`` table (its primary key is
+  the table) with a group index that covers every column.
+- ``rollout_step_marks``: the train step and weight version of the sibling events, which
+  change only at step boundaries, as marks: one row ``(run_id, seq, train_step,
+  weight_version)`` at the last event of each run of equal values in an append (and at
+  its end). An event's values are those of the first mark at or after it.
+
+An event of a sibling type thus writes three B-tree entries (``events`` and its primary
+key, the sibling row and its group index entry: four) instead of six, and binds three
+values instead of eight (revision ``0011_sibling_index``; docs/benchmarks.md).
+
+The tables are created by the controller's own alembic revisions
+(``controller/index_migrations``): ``0004_rollout_index`` created ``rollout_index`` and
+backfilled it from the audit columns the ``events`` table had in revisions 0001-0003,
 ``0006_rollout_views`` re-created the audit views on top of it; ``0009`` made the
 indexes of the sparse keys partial; ``0010`` dropped the train-step index (the
-type-and-step index serves a step alone).
+type-and-step index serves a step alone); ``0011`` moved the sibling events' rows to
+``rollout_sibling_index`` and ``rollout_step_marks``.
 
 Lookups (:func:`read_where`) and history reads (:func:`read_indexed`) return
-:class:`IndexedEvent`: a stored event plus its keys.
+:class:`IndexedEvent`: a stored event plus its keys, whichever table holds them.
 """
 
 from __future__ import annotations
@@ -31,7 +48,15 @@ from rolloutlog.eventstore import EventStore, NewEvent, StoredEvent
 from rolloutlog.eventstore.schema import events as events_table
 from rolloutlog.eventstore.schema import metadata as store_metadata
 
-from .domain.events import CODEC, AuditKeys, RolloutEvent
+from .domain.events import (
+    CODEC,
+    AuditKeys,
+    RolloutEvent,
+    SiblingAborted,
+    SiblingCompleted,
+    SiblingDispatched,
+    SiblingFailed,
+)
 
 if TYPE_CHECKING:
     from rolloutlog.eventstore import EventStoreProtocol
@@ -91,6 +116,57 @@ COLUMNS = (
 #: The audit keys a lookup can filter on.
 KEYS = ("group_id", "prompt_index", "target_step", "train_step")
 
+#: Event types whose keys are only their group: indexed in ``rollout_sibling_index``.
+SIBLING_TYPES: frozenset[str] = frozenset(
+    cls.event_type for cls in (SiblingDispatched, SiblingCompleted, SiblingFailed, SiblingAborted)
+)
+
+SIBLING_TABLE = "rollout_sibling_index"
+rollout_sibling_index = Table(
+    SIBLING_TABLE,
+    metadata,
+    Column("run_id", String(128), nullable=False),
+    Column("seq", BigInteger, nullable=False),
+    Column("group_id", BigInteger, nullable=False),
+    PrimaryKeyConstraint("run_id", "seq", name="pk_rollout_sibling_index"),
+    # SQLite: the rows live in the primary key's B-tree (no rowid table beside it). With
+    # three columns, the group index below holds every column: no lookup reads the table.
+    sqlite_with_rowid=False,
+)
+Index(
+    "ix_rollout_sibling_index_run_group",
+    rollout_sibling_index.c.run_id,
+    rollout_sibling_index.c.group_id,
+)
+SIBLING_COLUMNS = ("run_id", "seq", "group_id")
+
+MARKS_TABLE = "rollout_step_marks"
+rollout_step_marks = Table(
+    MARKS_TABLE,
+    metadata,
+    Column("run_id", String(128), nullable=False),
+    # The last event of a run of equal values: the values hold for every event after the
+    # previous mark, up to and including this one.
+    Column("seq", BigInteger, nullable=False),
+    Column("train_step", BigInteger, nullable=True),
+    Column("weight_version", BigInteger, nullable=True),
+    PrimaryKeyConstraint("run_id", "seq", name="pk_rollout_step_marks"),
+    sqlite_with_rowid=False,
+)
+# read_where(train_step=): the marks of a step (a few per step), then their ranges. The
+# weight version too, so the index covers every column a lookup reads (SQLite's planner
+# would otherwise range the primary key of the run instead).
+Index(
+    "ix_rollout_step_marks_run_train_step",
+    rollout_step_marks.c.run_id,
+    rollout_step_marks.c.train_step,
+    rollout_step_marks.c.weight_version,
+)
+MARKS_COLUMNS = ("run_id", "seq", "train_step", "weight_version")
+
+#: Every table of the rollout index (a compaction removes their rows with the events).
+TABLES = (TABLE, SIBLING_TABLE, MARKS_TABLE)
+
 
 class IndexedEvent(NamedTuple):
     """A stored event with its rollout index keys (NULL keys: an event without a row)."""
@@ -116,33 +192,91 @@ class IndexedEvent(NamedTuple):
         _r, _s, _t, gid, pidx, tstep, step, wv = derived
         return cls(*row, step, wv, gid, pidx, tstep)
 
+    @classmethod
+    def of_sibling(
+        cls, row: StoredEvent, group_id: int, mark: tuple[Any, ...] | None
+    ) -> IndexedEvent:
+        """Join a sibling event with its group and its step mark (in MARKS_COLUMNS order)."""
+        step, wv = (None, None) if mark is None else (mark[2], mark[3])
+        return cls(*row, step, wv, group_id, None, None)
+
+
+def _is_sibling(ev: NewEvent) -> bool:
+    return ev.type in SIBLING_TYPES and ev.derived is not None and ev.derived[0] is not None
+
 
 class RolloutIndexer:
     """The :class:`rolloutlog.eventstore.Indexer` of ``rollout_index``.
 
     Reads each event's ``derived`` tuple, ``(group_id, prompt_index, target_step,
     train_step, weight_version)`` as :func:`encode` builds it; events without one (not
-    written by the controller) get no row.
+    written by the controller) get no row, nor do sibling events (:class:`SiblingIndexer`).
     """
 
     table = TABLE
     columns = COLUMNS
 
     def rows(self, run_id: str, first_seq: int, batch: Sequence[NewEvent]) -> list[tuple[Any, ...]]:
-        """One row per event that carries rollout keys."""
+        """One row per event that carries rollout keys and is not a sibling event."""
         return [
             (run_id, first_seq + i, ev.type, *ev.derived)
             for i, ev in enumerate(batch)
-            if ev.derived is not None
+            if ev.derived is not None and not _is_sibling(ev)
         ]
 
 
+class SiblingIndexer:
+    """The :class:`rolloutlog.eventstore.Indexer` of ``rollout_sibling_index``: the group
+    of each sibling event."""
+
+    table = SIBLING_TABLE
+    columns = SIBLING_COLUMNS
+
+    def rows(self, run_id: str, first_seq: int, batch: Sequence[NewEvent]) -> list[tuple[Any, ...]]:
+        """One ``(run_id, seq, group_id)`` row per sibling event."""
+        return [
+            (run_id, first_seq + i, ev.derived[0])  # type: ignore[index]
+            for i, ev in enumerate(batch)
+            if _is_sibling(ev)
+        ]
+
+
+class StepMarkIndexer:
+    """The :class:`rolloutlog.eventstore.Indexer` of ``rollout_step_marks``: a mark at the
+    last event of each run of equal (train step, weight version) in a batch."""
+
+    table = MARKS_TABLE
+    columns = MARKS_COLUMNS
+
+    def rows(self, run_id: str, first_seq: int, batch: Sequence[NewEvent]) -> list[tuple[Any, ...]]:
+        """The batch's marks (at least one when any event carries keys)."""
+        out: list[tuple[Any, ...]] = []
+        value: tuple[Any, Any] | None = None
+        at = 0
+        for i, ev in enumerate(batch):
+            derived = ev.derived
+            if derived is None:
+                continue
+            now = (derived[3], derived[4])
+            if value is not None and now != value:
+                out.append((run_id, at, *value))
+            value = now
+            at = first_seq + i
+        if value is not None:
+            out.append((run_id, at, *value))
+        return out
+
+
 ROLLOUT_INDEXER = RolloutIndexer()
+SIBLING_INDEXER = SiblingIndexer()
+STEP_MARK_INDEXER = StepMarkIndexer()
+INDEXERS = (ROLLOUT_INDEXER, SIBLING_INDEXER, STEP_MARK_INDEXER)
 
 
 def attach(store: EventStoreProtocol) -> None:
     """Have ``store`` write the rollout index in every append (idempotent)."""
-    store.add_indexer(ROLLOUT_INDEXER)
+    for indexer in INDEXERS:
+        store.add_indexer(indexer)
 
 
 def encode(
@@ -177,6 +311,23 @@ def encode_many(
 _CHUNK = 5000
 
 
+class _Marks:
+    """The step marks covering events ``lo..hi`` of a run, looked up in sequence order."""
+
+    def __init__(self, store: EventStoreProtocol, run_id: str, lo: int, hi: int) -> None:
+        self.rows = store.derived_rows(MARKS_TABLE, run_id, lo, hi)
+        # The events after the last mark in range belong to the next mark after it.
+        self.rows += store.derived_rows(MARKS_TABLE, run_id, hi + 1, limit=1)
+        self.i = 0
+
+    def at(self, seq: int) -> tuple[Any, ...] | None:
+        """The first mark at or after ``seq`` (calls come with increasing ``seq``)."""
+        rows = self.rows
+        while self.i < len(rows) and rows[self.i][1] < seq:
+            self.i += 1
+        return rows[self.i] if self.i < len(rows) else None
+
+
 def read_indexed(
     store: EventStoreProtocol, run_id: str, from_seq: int = 1, to_seq: int | None = None
 ) -> Iterator[IndexedEvent]:
@@ -187,8 +338,14 @@ def read_indexed(
     while lo <= upper:
         hi = min(upper, lo + _CHUNK - 1)
         keys = {r[1]: r for r in store.derived_rows(TABLE, run_id, lo, hi)}
+        groups = {r[1]: r[2] for r in store.derived_rows(SIBLING_TABLE, run_id, lo, hi)}
+        marks = _Marks(store, run_id, lo, hi) if groups else None
         for row in store.read(run_id, lo, hi):
-            yield IndexedEvent.of(row, keys.get(row.seq))
+            group = groups.get(row.seq)
+            if group is not None and marks is not None:
+                yield IndexedEvent.of_sibling(row, group, marks.at(row.seq))
+            else:
+                yield IndexedEvent.of(row, keys.get(row.seq))
         lo = hi + 1
 
 
@@ -213,7 +370,11 @@ def read_where(
     event_type: str | None = None,
 ) -> list[IndexedEvent]:
     """Events of one group / prompt / step (and / or of one type), through the index, in
-    order (all of the run's events, abandoned ones included, when no key is given)."""
+    order (all of the run's events, abandoned ones included, when no key is given).
+
+    Sibling events have no prompt or target step; a lookup by a sibling event type alone
+    reads the run's sibling rows (there is no type index of them).
+    """
     equals = {
         k: v
         for k, v in (
@@ -227,24 +388,67 @@ def read_where(
     }
     if not equals:
         return list(read_indexed(store, run_id))
-    if event_type is not None and not isinstance(store, EventStore):
-        # The in-memory store's derived rows are looked up by key; filter its rows instead.
-        keyed = read_where(
-            store,
-            run_id,
-            group_id=group_id,
-            prompt_index=prompt_index,
-            train_step=train_step,
-            target_step=target_step,
-        )
-        return [row for row in keyed if row.type == event_type]
+    attach(store)
+    out: list[IndexedEvent] = []
+    if event_type is None or event_type not in SIBLING_TYPES:
+        out += _keyed_where(store, run_id, equals)
+    if (
+        prompt_index is None
+        and target_step is None
+        and (event_type is None or event_type in SIBLING_TYPES)
+    ):
+        if isinstance(store, EventStore):
+            out += _sql_sibling_where(store, run_id, group_id, train_step, event_type)
+        else:
+            out += _sibling_where(store, run_id, group_id, train_step, event_type)
+    out.sort(key=lambda r: r.seq)
+    return out
+
+
+def _keyed_where(
+    store: EventStoreProtocol, run_id: str, equals: dict[str, Any]
+) -> list[IndexedEvent]:
+    """The events of ``rollout_index`` (not sibling events) whose keys equal ``equals``."""
     if isinstance(store, EventStore):
         return _sql_read_where(store, run_id, equals)
-    attach(store)
+    event_type = equals.get("type")
+    keyed = {k: v for k, v in equals.items() if k != "type"}
+    if not keyed:  # the in-memory store looks derived rows up by key: filter a type here
+        rows = store.derived_rows(TABLE, run_id)
+    else:
+        rows = store.derived_rows(TABLE, run_id, **keyed)
     out = []
-    for derived in store.derived_rows(TABLE, run_id, **equals):
+    for derived in rows:
+        if event_type is not None and derived[2] != event_type:
+            continue
         for row in store.read(run_id, derived[1], derived[1]):
             out.append(IndexedEvent.of(row, derived))
+    return out
+
+
+def _sibling_where(
+    store: EventStoreProtocol,
+    run_id: str,
+    group_id: int | None,
+    train_step: int | None,
+    event_type: str | None,
+) -> list[IndexedEvent]:
+    """Sibling events of a group and / or step and / or type (any store; few rows)."""
+    if group_id is not None:
+        rows = store.derived_rows(SIBLING_TABLE, run_id, group_id=group_id)
+    else:
+        rows = store.derived_rows(SIBLING_TABLE, run_id)
+    if not rows:
+        return []
+    marks = _Marks(store, run_id, rows[0][1], rows[-1][1])
+    out = []
+    for _run, seq, group in rows:
+        mark = marks.at(seq)
+        if train_step is not None and (mark is None or mark[2] != train_step):
+            continue
+        for row in store.read(run_id, seq, seq):
+            if event_type is None or row.type == event_type:
+                out.append(IndexedEvent.of_sibling(row, group, mark))
     return out
 
 
@@ -290,9 +494,84 @@ def _sql_read_where(store: EventStore, run_id: str, equals: dict[str, Any]) -> l
             types = conn.execute(_RUN_TYPES, {"run_id": run_id}).scalars().all()
             q = q.where(ix.c.type.in_(types))
         rows = conn.execute(q).all()
-    out = [IndexedEvent(*r[:6], _utc(r[6]), *r[7:]) for r in rows]
-    out.sort(key=lambda r: r.seq)
-    return out
+    return [IndexedEvent(*r[:6], _utc(r[6]), *r[7:]) for r in rows]
+
+
+#: A sibling event's step mark: the first mark at or after it (one primary-key seek).
+_MARK_OF = """
+LEFT JOIN rollout_step_marks m ON m.run_id = sx.run_id AND m.seq = (
+    SELECT MIN(m2.seq) FROM rollout_step_marks m2
+    WHERE m2.run_id = sx.run_id AND m2.seq >= sx.seq)
+"""
+_SIBLING_COLS = (
+    "ev.run_id, ev.seq, ev.epoch, ev.type, ev.schema_version, ev.payload, ev.recorded_at, "
+    "m.train_step, m.weight_version, sx.group_id"
+)
+#: The sibling events of a step: the step's marks (its index), each mark's range back to
+#: the mark before it, the sibling rows in that range (primary-key ranges). MATERIALIZED:
+#: without statistics SQLite would rather walk the run's sibling rows and probe marks.
+_SIBLINGS_OF_STEP = f"""
+WITH r AS MATERIALIZED (
+    SELECT m.seq AS hi, m.train_step, m.weight_version,
+           COALESCE((SELECT MAX(p.seq) FROM rollout_step_marks p
+                     WHERE p.run_id = m.run_id AND p.seq < m.seq), 0) AS lo
+    FROM rollout_step_marks m WHERE m.run_id = :run_id AND m.train_step = :train_step
+)
+SELECT {_SIBLING_COLS.replace("m.train_step, m.weight_version", "r.train_step, r.weight_version")}
+FROM r
+JOIN rollout_sibling_index sx ON sx.run_id = :run_id AND sx.seq > r.lo AND sx.seq <= r.hi
+JOIN events ev ON ev.run_id = sx.run_id AND ev.seq = sx.seq
+"""
+
+
+def sibling_query(
+    group_id: int | None, train_step: int | None, event_type: str | None
+) -> tuple[str, dict[str, Any]]:
+    """The SQL (``:run_id`` and the keys given) of :func:`read_where`'s sibling events: by
+    the group index, by the step marks' index and their ranges, or the run's rows."""
+    params: dict[str, Any] = {}
+    where = []
+    if group_id is not None:
+        sql = (
+            f"SELECT {_SIBLING_COLS} FROM rollout_sibling_index sx "
+            "JOIN events ev ON ev.run_id = sx.run_id AND ev.seq = sx.seq "
+            f"{_MARK_OF} WHERE sx.run_id = :run_id AND sx.group_id = :group_id"
+        )
+        params["group_id"] = group_id
+        if train_step is not None:
+            where.append("m.train_step = :train_step")
+            params["train_step"] = train_step
+    elif train_step is not None:
+        sql = f"SELECT * FROM ({_SIBLINGS_OF_STEP}) s WHERE 1 = 1"
+        params["train_step"] = train_step
+    else:
+        sql = (
+            f"SELECT {_SIBLING_COLS} FROM rollout_sibling_index sx "
+            "JOIN events ev ON ev.run_id = sx.run_id AND ev.seq = sx.seq "
+            f"{_MARK_OF} WHERE sx.run_id = :run_id"
+        )
+    if event_type is not None:
+        wrapped = group_id is None and train_step is not None  # columns of subquery s
+        where.append(f"{'type' if wrapped else 'ev.type'} = :type")
+        params["type"] = event_type
+    if where:
+        sql += " AND " + " AND ".join(where)
+    return sql, params
+
+
+def _sql_sibling_where(
+    store: EventStore,
+    run_id: str,
+    group_id: int | None,
+    train_step: int | None,
+    event_type: str | None,
+) -> list[IndexedEvent]:
+    """Sibling events of a group, a step or a type (see :func:`sibling_query`)."""
+    sql, params = sibling_query(group_id, train_step, event_type)
+    with store.engine.connect() as conn:
+        typed = sa.text(sql).columns(recorded_at=events_table.c.recorded_at.type)
+        rows = conn.execute(typed, {"run_id": run_id, **params}).all()
+    return [IndexedEvent(*r[:6], _utc(r[6]), r[7], r[8], r[9], None, None) for r in rows]
 
 
 def _utc(value: datetime) -> datetime:

@@ -371,7 +371,7 @@ WHERE run_id = :run_id
 ORDER BY seq
 """
 
-# The canned lookups below drive from the rollout_index indexes (prompt, group, type +
+# The canned lookups below drive from the rollout index's indexes (prompt, group, type +
 # step; controller/rollout_index.py), join events by primary key for the rest, and
 # keep only rows of the current history (the run's few history_spans), instead of
 # filtering the history_events view, which joins every history row before filtering
@@ -386,10 +386,16 @@ def _in_history(alias: str) -> str:
     return f"EXISTS (SELECT 1 FROM h WHERE {alias}.seq BETWEEN h.first_seq AND h.last_seq)"
 
 
-_INDEX_KEYS = ("group_id", "prompt_index", "target_step", "train_step", "weight_version")
-_EV_COLS = ", ".join(
-    ("ix." if c.strip() in _INDEX_KEYS else "ev.") + c.strip() for c in _EVENT_COLS.split(",")
-)
+# An event's keys come from its rollout_index row, or (a sibling event) from its
+# rollout_sibling_index row and the first step mark at or after it (revision 0011).
+_KEY_EXPR = {
+    "group_id": "COALESCE(ix.group_id, sx.group_id) AS group_id",
+    "prompt_index": "ix.prompt_index",
+    "target_step": "ix.target_step",
+    "train_step": "COALESCE(ix.train_step, m.train_step) AS train_step",
+    "weight_version": "COALESCE(ix.weight_version, m.weight_version) AS weight_version",
+}
+_EV_COLS = ", ".join(_KEY_EXPR.get(c.strip(), "ev." + c.strip()) for c in _EVENT_COLS.split(","))
 
 Q_PROMPT = f"""
 WITH {_H},
@@ -403,6 +409,9 @@ cand AS (
     SELECT ix.seq FROM rollout_index ix
     WHERE ix.run_id = :run_id AND ix.group_id IN (SELECT group_id FROM mine)
     UNION
+    SELECT sx.seq FROM rollout_sibling_index sx
+    WHERE sx.run_id = :run_id AND sx.group_id IN (SELECT group_id FROM mine)
+    UNION
     SELECT ix.seq FROM rollout_index ix
     WHERE ix.run_id = :run_id AND ix.type IN ('BatchSelected', 'StepTrained')
       AND ix.train_step IN (SELECT train_step FROM mine WHERE type = 'GroupSelected')
@@ -410,7 +419,10 @@ cand AS (
 SELECT {_EV_COLS}
 FROM cand c
 JOIN events ev ON ev.run_id = :run_id AND ev.seq = c.seq
-JOIN rollout_index ix ON ix.run_id = :run_id AND ix.seq = c.seq
+LEFT JOIN rollout_index ix ON ix.run_id = :run_id AND ix.seq = c.seq
+LEFT JOIN rollout_sibling_index sx ON sx.run_id = :run_id AND sx.seq = c.seq
+LEFT JOIN rollout_step_marks m ON sx.seq IS NOT NULL AND m.run_id = :run_id AND m.seq = (
+    SELECT MIN(m2.seq) FROM rollout_step_marks m2 WHERE m2.run_id = :run_id AND m2.seq >= c.seq)
 WHERE {_in_history("ev")}
 ORDER BY ev.seq
 """

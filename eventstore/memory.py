@@ -302,9 +302,13 @@ class MemoryEventStore:
         run_id: str,
         from_seq: int = 1,
         to_seq: int | None = None,
+        *,
+        limit: int | None = None,
         **equals: Any,
     ) -> list[tuple[Any, ...]]:
         """See :meth:`EventStore.derived_rows`."""
+        if limit is not None and (not isinstance(limit, int) or limit < 0):
+            raise StoreError(f"limit must be an int >= 0, got {limit!r}")
         with self._lock:
             indexer = next((ix for ix in self._indexers if ix.table == table), None)
             if indexer is None:
@@ -315,7 +319,8 @@ class MemoryEventStore:
             rows = list(self._runs[run_id].derived.get(table, ())) if run_id in self._runs else []
         hi = 2**62 if to_seq is None else to_seq
         where = [(indexer.columns.index(c), v) for c, v in equals.items()]
-        return [r for r in rows if from_seq <= r[1] <= hi and all(r[k] == v for k, v in where)]
+        out = [r for r in rows if from_seq <= r[1] <= hi and all(r[k] == v for k, v in where)]
+        return out if limit is None else out[:limit]
 
     # ------------------------------------------------------------------ snapshots / payloads
     def save_snapshot(self, run_id: str, seq: int, schema_version: int, data: bytes) -> None:

@@ -110,10 +110,13 @@ class EventStoreProtocol(Protocol):
         run_id: str,
         from_seq: int = 1,
         to_seq: int | None = None,
+        *,
+        limit: int | None = None,
         **equals: Any,
     ) -> list[tuple[Any, ...]]:
         """Rows of a registered indexer's table for ``run_id`` in ``from_seq..to_seq``
-        whose columns equal ``equals``, in sequence order, as the indexer built them."""
+        whose columns equal ``equals``, in sequence order, as the indexer built them;
+        only the first ``limit`` of them when given."""
         ...
 
     # snapshots and payloads

@@ -884,10 +884,15 @@ class EventStore:
         run_id: str,
         from_seq: int = 1,
         to_seq: int | None = None,
+        *,
+        limit: int | None = None,
         **equals: Any,
     ) -> list[tuple[Any, ...]]:
         """Rows of a registered indexer's ``table`` for ``run_id`` in ``from_seq..to_seq``
-        whose columns equal ``equals`` (through the table's indexes), in sequence order."""
+        whose columns equal ``equals`` (through the table's indexes), in sequence order;
+        only the first ``limit`` of them when given."""
+        if limit is not None and (not isinstance(limit, int) or limit < 0):
+            raise StoreError(f"limit must be an int >= 0, got {limit!r}")
         indexer = next((ix for ix, _ in self._indexers if ix.table == table), None)
         if indexer is None:
             raise StoreError(f"no indexer writes table {table!r}: add_indexer() it first")
@@ -902,7 +907,10 @@ class EventStore:
             params.append(val)
         # No ORDER BY: SQLite's planner (no statistics) would walk the primary key to skip
         # the sort instead of seeking the index of an equality column; sorted here instead.
+        # (With a limit the order is the answer: the (run_id, seq) key gives it.)
         sql = f"SELECT {', '.join(indexer.columns)} FROM {table} WHERE {' AND '.join(conds)}"
+        if limit is not None:
+            sql += f" ORDER BY seq LIMIT {limit:d}"
         with self._translate_errors(f"querying {table} of run {run_id!r}"):
             with self.engine.connect() as conn:
                 rows = self._fetch_tuples(conn, sql, tuple(params))

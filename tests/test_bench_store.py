@@ -26,9 +26,10 @@ SYSTEMS = {
     "rolloutlog",
     "rolloutlog_generic",
     "rolloutlog_group_commit",
+    "rolloutlog_process_commit",
 }
 #: Systems that only write (the SQL-layer comparison: rows already built).
-SQL_SYSTEMS = {"sql_today", "sql_now", "sql_now_generic", "sql_deferred_index"}
+SQL_SYSTEMS = {"sql_today", "sql_now", "sql_fat_index", "sql_now_generic", "sql_deferred_index"}
 REQUIRED_RATIOS = {
     "append_vs_raw",
     "append_vs_eventsourcing",
@@ -79,10 +80,13 @@ def test_every_system_wrote_and_read_back_every_event(result: dict[str, Any]) ->
     assert {systems[name]["layout"] for name in SQL_SYSTEMS} == {
         "today",
         "now",
+        "fat_index",
         "generic",
         "deferred",
     }
-    for name in SYSTEMS - {"rolloutlog_group_commit"}:
+    assert systems["rolloutlog_process_commit"]["writer"] == "process"
+    assert systems["rolloutlog_group_commit"]["writer"] == "thread"
+    for name in SYSTEMS - {"rolloutlog_group_commit", "rolloutlog_process_commit"}:
         assert systems[name]["read_eps"] > 0, name
         assert len(systems[name]["read_eps_samples"]) == 2, name
         assert systems[name]["synchronous"] == "FULL", name
@@ -222,7 +226,8 @@ def test_postgresql_mode_compares_with_raw_copy_and_measures_tail_latency(pg_url
     result = run_pg_store_benchmark(pg_url, events=2_000, batch=500, repeat=2)
     systems = result["systems"]
     assert set(systems) == {
-        "raw_copy", "rolloutlog", "rolloutlog_indexed", "rows_built", "group_commit"
+        "raw_copy", "rolloutlog", "rolloutlog_indexed", "rows_built", "group_commit",
+        "process_commit",
     }  # fmt: skip
     assert all(m["append_events"] == 2_000 for m in systems.values())
     ratios = result["ratios"]
@@ -231,6 +236,7 @@ def test_postgresql_mode_compares_with_raw_copy_and_measures_tail_latency(pg_url
         ("append_vs_raw_copy", "rolloutlog"),
         ("append_rows_built_vs_raw_copy", "rows_built"),
         ("group_commit_vs_raw_copy", "group_commit"),
+        ("process_commit_vs_raw_copy", "process_commit"),
     ):  # rounded to 3 places
         assert ratios[ratio] == pytest.approx(systems[system]["append_eps"] / raw, abs=1e-3)
         # The paired median lies within the per-round ratios of the samples.
@@ -243,7 +249,8 @@ def test_postgresql_mode_compares_with_raw_copy_and_measures_tail_latency(pg_url
             )
         ]
         assert min(paired) - 2e-3 <= ratios[f"{ratio}_paired_median"] <= max(paired) + 2e-3
-    assert systems["group_commit"]["transactions"] >= 4  # at most 500 per transaction
+    for system in ("group_commit", "process_commit"):
+        assert systems[system]["transactions"] >= 4  # at most 500 per transaction
     # Every append woke the listener (4 appends per rolloutlog system run, 2 runs).
     assert result["tail_latency_ms"]["samples"] == 8
     lat = result["tail_latency_ms"]

@@ -325,7 +325,14 @@ def test_upgrade_from_0003_moves_the_audit_keys_into_the_rollout_index(
                 "target_step FROM rollout_index WHERE run_id = 'r' ORDER BY seq"
             )
         ).all()
-        assert [tuple(r) for r in index_rows] == [row for row in legacy if row[0] != 5]
+        # The sibling event's keys moved on to the sibling index and a step mark (0011).
+        assert [tuple(r) for r in index_rows] == [row for row in legacy if row[0] not in (3, 5)]
+        assert conn.execute(sa.text("SELECT seq, group_id FROM rollout_sibling_index")).all() == [
+            (3, 7)
+        ]
+        assert conn.execute(
+            sa.text("SELECT seq, train_step, weight_version FROM rollout_step_marks")
+        ).all() == [(3, 0, 0)]
         viewed = conn.execute(
             sa.text(
                 "SELECT seq, type, train_step, weight_version, group_id, prompt_index, "
@@ -359,49 +366,112 @@ def test_upgrade_from_0003_moves_the_audit_keys_into_the_rollout_index(
         assert [tuple(r) for r in back] == legacy
 
 
-# ---------------------------------------------------------------- 0010 and back
-def _index_state(conn: Connection) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
-    """The rollout index's rows and what the audit view reads of them, in seq order."""
-    cols = "seq, type, train_step, weight_version, group_id, prompt_index, target_step"
-    rows = conn.execute(sa.text(f"SELECT {cols} FROM rollout_index ORDER BY seq")).all()
-    viewed = conn.execute(sa.text(f"SELECT {cols} FROM history_events ORDER BY seq")).all()
-    return [tuple(r) for r in rows], [tuple(r) for r in viewed]
+# ---------------------------------------------------------------- 0010, 0011 and back
+_KEY_COLS = "seq, type, train_step, weight_version, group_id, prompt_index, target_step"
 
 
-def test_0010_drops_the_step_index_and_back(engine: Engine, db_url: str) -> None:
-    """Revision 0010 and its downgrade keep every row and the views working; the
-    train-step index exists only at 0009, and read_where(train_step=) gives the same rows
-    at head after a round trip."""
-    from rolloutlog.controller.rollout_index import attach, read_where
+def _viewed(conn: Connection) -> list[tuple[Any, ...]]:
+    """What the audit view reads of every event's keys, in (run, seq) order."""
+    rows = conn.execute(
+        sa.text(f"SELECT run_id, {_KEY_COLS} FROM history_events ORDER BY run_id, seq")
+    ).all()
+    return [tuple(r) for r in rows]
 
-    migrate.upgrade(engine)
+
+def _rollout_index_rows(conn: Connection) -> list[tuple[Any, ...]]:
+    rows = conn.execute(
+        sa.text(f"SELECT run_id, {_KEY_COLS} FROM rollout_index ORDER BY run_id, seq")
+    ).all()
+    return [tuple(r) for r in rows]
+
+
+def test_0010_and_0011_and_back(engine: Engine, db_url: str) -> None:
+    """Revisions 0010 (no train-step index) and 0011 (the sibling index and step marks)
+    keep every event's keys, as the audit view and read_where read them, down and up
+    again; the rows 0011 moves are exactly the sibling events', and its backfill marks
+    the last sibling event of each run of equal steps."""
+    from rolloutlog.controller.rollout_index import read_where
+
+    migrate.upgrade(engine, "0010_no_train_step_index")
     now = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
+    # (type, (group, prompt, target, train_step, weight_version)) per event, two runs.
     keyed = [
         ("GroupAdmitted", (7, 70, 1, 0, 0)),
         ("SiblingDispatched", (7, None, None, 0, 0)),
+        ("SiblingCompleted", (7, None, None, 0, 0)),
         ("GroupSelected", (7, 70, 1, 1, 1)),
         ("StepTrained", (None, None, None, 1, 1)),
+        ("SiblingDispatched", (8, None, None, 1, 1)),
+        ("SiblingAborted", (8, None, None, 1, 2)),
+        ("SiblingDispatched", (8, None, None, 2, 2)),
+        ("Foreign", None),  # no keys: no row anywhere
     ]
-    with EventStore.open(db_url, create=False) as store:
-        attach(store)
-        store.create_run("r")
-        rows = [NewEvent(t, 1, f'{{"i": {i}}}', now, d) for i, (t, d) in enumerate(keyed)]
-        store.append("r", rows, expected_seq=1, epoch=1)
-        step_rows = [e.seq for e in read_where(store, "r", train_step=1)]
-    assert step_rows == [3, 4]
+    with EventStore.open(db_url, create=False, check_schema=False) as store:
+        for run in ("a", "b"):
+            store.create_run(run)
+            rows = [NewEvent(t, 1, f'{{"i": {i}}}', now, None) for i, (t, _) in enumerate(keyed)]
+            store.append(run, rows, expected_seq=1, epoch=1)
+    with engine.begin() as conn:  # the 0010 indexer's rows: one per keyed event
+        for run in ("a", "b"):
+            for seq, (typ, d) in enumerate(keyed, 1):
+                if d is not None:
+                    conn.execute(
+                        sa.text(
+                            "INSERT INTO rollout_index VALUES (:r, :s, :t, :g, :p, :ts, :st, :wv)"
+                        ),
+                        dict(r=run, s=seq, t=typ, g=d[0], p=d[1], ts=d[2], st=d[3], wv=d[4]),
+                    )
     with engine.connect() as conn:
-        at_head = _index_state(conn)
-        assert "ix_rollout_index_run_train_step" not in _reflected_indexes(conn, "rollout_index")
-    assert [r[0] for r in at_head[0]] == [1, 2, 3, 4] and at_head[0] == at_head[1]
+        at_0010 = _viewed(conn)
+        assert len(_rollout_index_rows(conn)) == 16
+    assert [r[1:] for r in at_0010[:9]] == [
+        (i, t, *(d[3:] + d[:3] if d else (None,) * 5)) for i, (t, d) in enumerate(keyed, 1)
+    ]
 
+    migrate.upgrade(engine)
+    with engine.connect() as conn:
+        assert _viewed(conn) == at_0010
+        assert {r[2] for r in _rollout_index_rows(conn)} == {
+            "GroupAdmitted",
+            "GroupSelected",
+            "StepTrained",
+        }
+        siblings = conn.execute(
+            sa.text("SELECT run_id, seq, group_id FROM rollout_sibling_index ORDER BY 1, 2")
+        ).all()
+        assert [tuple(r) for r in siblings if r[0] == "a"] == [
+            ("a", 2, 7), ("a", 3, 7), ("a", 6, 8), ("a", 7, 8), ("a", 8, 8),
+        ]  # fmt: skip
+        marks = conn.execute(
+            sa.text("SELECT run_id, seq, train_step, weight_version FROM rollout_step_marks")
+        ).all()
+        assert sorted(tuple(r) for r in marks if r[0] == "a") == [
+            ("a", 3, 0, 0), ("a", 6, 1, 1), ("a", 7, 1, 2), ("a", 8, 2, 2),
+        ]  # fmt: skip
+        assert _diff(conn, metadata) == []
+    with EventStore.open(db_url, create=False) as store:
+        step_1 = [(e.seq, e.type) for e in read_where(store, "a", train_step=1)]
+        group_8 = [
+            (e.seq, e.train_step, e.weight_version) for e in read_where(store, "b", group_id=8)
+        ]
+    assert step_1 == [(4, "GroupSelected"), (5, "StepTrained"), (6, "SiblingDispatched"),
+                      (7, "SiblingAborted")]  # fmt: skip
+    assert group_8 == [(6, 1, 1), (7, 1, 2), (8, 2, 2)]
+
+    migrate.downgrade(engine, "0010_no_train_step_index")
+    with engine.connect() as conn:
+        assert _viewed(conn) == at_0010
+        assert len(_rollout_index_rows(conn)) == 16
+        assert "rollout_sibling_index" not in tables_of(engine)
     migrate.downgrade(engine, "0009_partial_key_indexes")
     with engine.connect() as conn:
-        assert _index_state(conn) == at_head
+        assert _viewed(conn) == at_0010
         assert "ix_rollout_index_run_train_step" in _reflected_indexes(conn, "rollout_index")
 
     migrate.upgrade(engine)
     with engine.connect() as conn:
-        assert _index_state(conn) == at_head
+        assert _viewed(conn) == at_0010
+        assert "ix_rollout_index_run_train_step" not in _reflected_indexes(conn, "rollout_index")
         assert _diff(conn, metadata) == []
     with EventStore.open(db_url, create=False) as store:
-        assert [e.seq for e in read_where(store, "r", train_step=1)] == step_rows
+        assert [(e.seq, e.type) for e in read_where(store, "a", train_step=1)] == step_1

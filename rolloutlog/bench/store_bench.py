@@ -52,8 +52,8 @@ from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.schema import CreateIndex, CreateTable
 
 from rolloutlog.controller.domain.events import CODEC, SiblingCompleted, SiblingDispatched
-from rolloutlog.controller.rollout_index import attach
-from rolloutlog.controller.rollout_index import rollout_index as rollout_index_table
+from rolloutlog.controller.rollout_index import INDEXERS, attach
+from rolloutlog.controller.rollout_index import metadata as index_metadata
 from rolloutlog.eventstore import (
     Committer,
     EventCodec,
@@ -297,10 +297,11 @@ def _file_bytes(path: Path) -> int:
 
 # ---------------------------------------------------------------------------- raw sqlite3
 def _events_ddl() -> list[str]:
-    """rolloutlog's events table and the controller's rollout index, compiled for SQLite."""
+    """rolloutlog's events table and the controller's rollout index tables, compiled for
+    SQLite (``events`` first)."""
     dialect = sqlite_dialect.dialect()
     ddl = []
-    for table in (events_table, rollout_index_table):
+    for table in (events_table, *index_metadata.sorted_tables):
         ddl.append(str(CreateTable(table).compile(dialect=dialect)))
         ddl += [str(CreateIndex(ix).compile(dialect=dialect)) for ix in table.indexes]
     return ddl
@@ -311,10 +312,22 @@ _INDEX_COLS = "run_id, seq, type, group_id, prompt_index, target_step, train_ste
 _TYPE_NAMES = (SiblingDispatched.event_type, SiblingCompleted.event_type)
 
 
+def _marks(keys: Sequence[tuple[int, int, int]]) -> list[tuple[str, int, int, int]]:
+    """The step marks of one batch of ``(seq, train_step, weight_version)``: a mark at the
+    last event of each run of equal values (what the controller's indexer writes)."""
+    out = []
+    for (seq, step, version), after in zip(keys, [*keys[1:], None], strict=True):
+        if after is None or (after[1], after[2]) != (step, version):
+            out.append((RUN_ID, seq, step, version))
+    return out
+
+
 def bench_raw_sqlite(
     path: Path, specs: Sequence[Spec], *, batch: int, synchronous: str
 ) -> Measured:
-    """Raw ``sqlite3``: json text from dicts, ``executemany`` per batch, plain SELECT back."""
+    """Raw ``sqlite3``: json text from dicts, ``executemany`` per batch into the tables a
+    controller writes (``events``; ``rollout_sibling_index`` and ``rollout_step_marks``
+    for the workload's sibling events), plain SELECT back."""
     conn = sqlite3.connect(str(path), isolation_level=None)
     try:
         conn.execute("PRAGMA journal_mode = WAL")
@@ -325,7 +338,10 @@ def bench_raw_sqlite(
         dicts = [payload_dict(s) for s in specs]
         dumps = json.JSONEncoder(separators=(",", ":")).encode
         insert = f"INSERT INTO events ({_COLS}) VALUES ({', '.join(['?'] * 7)})"
-        insert_index = f"INSERT INTO rollout_index ({_INDEX_COLS}) VALUES ({', '.join(['?'] * 8)})"
+        insert_sibling = (
+            "INSERT INTO rollout_sibling_index (run_id, seq, group_id) VALUES (?, ?, ?)"
+        )
+        insert_mark = "INSERT INTO rollout_step_marks VALUES (?, ?, ?, ?)"
         n = len(specs)
         with _Stopwatch() as append_clock:
             for start in range(0, n, batch):
@@ -343,13 +359,15 @@ def bench_raw_sqlite(
                         zip(specs[start : start + batch], dicts[start : start + batch], strict=True)
                     )
                 ]
-                index_rows = [
-                    (RUN_ID, start + j + 1, _TYPE_NAMES[s.completed], *_index_keys(s))
-                    for j, s in enumerate(specs[start : start + batch])
-                ]
+                part = specs[start : start + batch]
+                sibling_rows = [(RUN_ID, start + j + 1, s.group_id) for j, s in enumerate(part)]
+                marks = _marks(
+                    [(start + j + 1, s.train_step, s.weight_version) for j, s in enumerate(part)]
+                )
                 conn.execute("BEGIN IMMEDIATE")
                 conn.executemany(insert, rows)
-                conn.executemany(insert_index, index_rows)
+                conn.executemany(insert_sibling, sibling_rows)
+                conn.executemany(insert_mark, marks)
                 conn.execute("COMMIT")
         payload_bytes = conn.execute("SELECT SUM(LENGTH(payload)) FROM events").fetchone()[0]
 
@@ -409,9 +427,12 @@ def bench_sql_layer(path: Path, specs: Sequence[Spec], *, batch: int, layout: st
 
     ``today``: the 12-column events table with its five indexes, ``executemany`` (the
     code of that revision). ``now``: the generic events table plus the controller's
-    rollout index, each batch in the multi-row statements the store issues
-    (:class:`rolloutlog.eventstore.bulk.MultiRowInsert`). ``generic``: the events table
-    alone, as the store writes it without an indexer.
+    rollout index as it ships (revision 0011: the rows its indexers build for each
+    batch, here the sibling index and step marks), each table's rows in the multi-row
+    statements the store issues (:class:`rolloutlog.eventstore.bulk.MultiRowInsert`).
+    ``fat_index``: as ``now`` but one ``rollout_index`` row of every key per event (the
+    layout of revision 0010). ``generic``: the events table alone, as the store writes
+    it without an indexer.
     """
     from rolloutlog.eventstore.bulk import MultiRowInsert
 
@@ -423,9 +444,9 @@ def bench_sql_layer(path: Path, specs: Sequence[Spec], *, batch: int, layout: st
              s.recorded_at.isoformat(" ", "microseconds")[:26], dumps(payload_dict(s)))
             for i, s in enumerate(specs)
         ]  # fmt: skip
-        keys = [
-            (RUN_ID, i + 1, _TYPE_NAMES[s.completed], *_index_keys(s)) for i, s in enumerate(specs)
-        ]
+        n = len(specs)
+        # Per batch: (multi-row builder, flat values, rows) of each derived table.
+        derived: list[list[tuple[Any, list[Any], int]]] = [[] for _ in range(0, n, batch)]
         if layout == "today":
             for statement in _TODAY_DDL:
                 conn.execute(statement)
@@ -433,15 +454,23 @@ def bench_sql_layer(path: Path, specs: Sequence[Spec], *, batch: int, layout: st
                      s.target_step, r[6]) for r, s in zip(base, specs, strict=True)]  # fmt: skip
             insert = f"INSERT INTO events VALUES ({', '.join(['?'] * 12)})"
         else:
-            for statement in _events_ddl() if layout == "now" else _events_ddl()[:1]:
+            for statement in _events_ddl() if layout != "generic" else _events_ddl()[:1]:
                 conn.execute(statement)
             flat_events = [v for r in base for v in r]
-            flat_keys = [v for r in keys for v in r]
             events_bulk = MultiRowInsert("events", _COLS.split(", "))
-            index_bulk = MultiRowInsert("rollout_index", _INDEX_COLS.split(", "))
-        n = len(specs)
+            fat = _FatIndexer()
+            indexers = {"now": INDEXERS, "fat_index": (fat,), "generic": ()}[layout]
+            for k, start in enumerate(range(0, n, batch)):
+                part = [
+                    NewEvent(_TYPE_NAMES[s.completed], 1, "", s.recorded_at, _index_keys(s))
+                    for s in specs[start : start + batch]
+                ]
+                for indexer in indexers:
+                    index_rows = indexer.rows(RUN_ID, start + 1, part)
+                    bulk = MultiRowInsert(indexer.table, indexer.columns)
+                    derived[k].append((bulk, [v for r in index_rows for v in r], len(index_rows)))
         with _Stopwatch() as clock:
-            for start in range(0, n, batch):
+            for k, start in enumerate(range(0, n, batch)):
                 end = min(n, start + batch)
                 conn.execute("BEGIN IMMEDIATE")
                 conn.execute("UPDATE runs SET last_seq = ? WHERE run_id = ?", (end, RUN_ID))
@@ -452,17 +481,27 @@ def bench_sql_layer(path: Path, specs: Sequence[Spec], *, batch: int, layout: st
                         flat_events[start * 7 : end * 7], end - start
                     ):
                         conn.execute(sql, params)
-                    if layout == "now":
-                        for sql, params in index_bulk.chunks(
-                            flat_keys[start * 8 : end * 8], end - start
-                        ):
-                            conn.execute(sql, params)
+                    for bulk, flat, count in derived[k]:
+                        if count:
+                            for sql, params in bulk.chunks(flat, count):
+                                conn.execute(sql, params)
                 conn.execute("COMMIT")
         count = conn.execute("SELECT count(*) FROM events").fetchone()[0]
     finally:
         conn.close()
     _check(f"sql {layout}", f"stored {count}, wrote {n}", count == n)
     return Measured.of(n, clock, 0, None, {"layout": layout})
+
+
+class _FatIndexer:
+    """Revision 0010's rollout index: one row of every key per keyed event (for the SQL
+    layer's comparison of the two layouts)."""
+
+    table = "rollout_index"
+    columns = tuple(_INDEX_COLS.split(", "))
+
+    def rows(self, run_id: str, first_seq: int, batch: Sequence[NewEvent]) -> list[tuple[Any, ...]]:
+        return [(run_id, first_seq + i, ev.type, *ev.derived) for i, ev in enumerate(batch)]
 
 
 #: How many batches the deferred layout appends between two catch-ups.
@@ -901,6 +940,7 @@ def run_store_benchmark(
         ),
         "sql_today": lambda p: bench_sql_layer(p, specs, batch=batch, layout="today"),
         "sql_now": lambda p: bench_sql_layer(p, specs, batch=batch, layout="now"),
+        "sql_fat_index": lambda p: bench_sql_layer(p, specs, batch=batch, layout="fat_index"),
         "sql_now_generic": lambda p: bench_sql_layer(p, specs, batch=batch, layout="generic"),
         "sql_deferred_index": lambda p: bench_sql_deferred(p, specs, batch=batch),
         "rolloutlog_group_commit": lambda p: bench_group_commit(p, specs, batch=batch),
@@ -964,6 +1004,8 @@ def _store_ratios(out: dict[str, dict[str, Any]], kind: str) -> dict[str, float 
         "append_generic_vs_eventsourcing": _ratio(generic, es_append),
         "append_sql_vs_today": _ratio(out["sql_now"][append], sql_today),
         "append_sql_generic_vs_today": _ratio(out["sql_now_generic"][append], sql_today),
+        # Revision 0010's index (a fat row per event) in the same run: what 0011 gained.
+        "append_sql_fat_index_vs_today": _ratio(out["sql_fat_index"][append], sql_today),
         # The issue's layout: the append path alone, then with its catch-ups (sustained).
         "append_sql_deferred_index_vs_today": _ratio(out["sql_deferred_index"][append], sql_today),
         "append_sql_deferred_index_with_catch_up_vs_today": _ratio(

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from rolloutlog.controller.rollout_index import TABLE as ROLLOUT_INDEX_TABLE
+from rolloutlog.controller.rollout_index import TABLES as ROLLOUT_INDEX_TABLES
 from rolloutlog.eventstore import Snapshot, StoreError
 from rolloutlog.eventstore.compaction import CompactionPlan
 
@@ -117,7 +117,7 @@ def compact(
                 dry_run=dry_run,
                 snapshot_refs=rollout_snapshot_refs,
                 verify_snapshot=verify_rollout_snapshot,
-                derived_tables=(ROLLOUT_INDEX_TABLE,),
+                derived_tables=ROLLOUT_INDEX_TABLES,
             )
         except StoreError as exc:
             raise click.ClickException(str(exc)) from exc

@@ -23,7 +23,10 @@ from rolloutlog.controller.domain import CODEC
 from rolloutlog.controller.domain.invariants import find_violations
 from rolloutlog.controller.prompt_ledger import PromptLedger, cross_check
 from rolloutlog.controller.rollout_controller import RolloutController, decode_snapshot, replay
+from rolloutlog.controller.rollout_index import MARKS_TABLE as STEP_MARKS
+from rolloutlog.controller.rollout_index import SIBLING_TABLE as SIBLING_INDEX
 from rolloutlog.controller.rollout_index import TABLE as ROLLOUT_INDEX
+from rolloutlog.controller.rollout_index import TABLES as ROLLOUT_TABLES
 from rolloutlog.controller.rollout_index import attach
 from rolloutlog.eventstore import EventStore, StoredEvent
 from rolloutlog.eventstore.compaction import (
@@ -116,8 +119,10 @@ def test_compact_restore_finish_exactly_once(driven: EventStore, tmp_path: Path)
     }
     assert abandoned_before, "the fixture must leave an abandoned range"
     attach(store)  # as the controller that wrote the run does
-    pre_index = store.derived_rows(ROLLOUT_INDEX, RUN)
-    assert len(pre_index) == len(pre_rows), "every controller event has an index row"
+    pre_index = {table: store.derived_rows(table, RUN) for table in ROLLOUT_TABLES}
+    keyed = sorted(r[1] for t in (ROLLOUT_INDEX, SIBLING_INDEX) for r in pre_index[t])
+    assert keyed == [r.seq for r in pre_rows], "every controller event has one index row"
+    assert pre_index[SIBLING_INDEX] and pre_index[STEP_MARKS]
 
     dry = compact(
         store, RUN, before, archive=tmp_path / "dry.jsonl", dry_run=True,
@@ -150,11 +155,13 @@ def test_compact_restore_finish_exactly_once(driven: EventStore, tmp_path: Path)
     assert all(arch.payloads[p][1] == pre_payloads[p] for p in arch.payloads)
     assert arch.payloads, "completed groups trained before the base free their payloads"
     # The rollout index follows its events: rows of removed events go (into the archive).
-    assert store.derived_rows(ROLLOUT_INDEX, RUN) == [r for r in pre_index if r[1] >= base]
-    assert plan.derived_removed == {ROLLOUT_INDEX: base - 1}
-    assert [tuple(d.values()) for d in arch.derived[ROLLOUT_INDEX]] == [
-        r for r in pre_index if r[1] < base
-    ]
+    removed = {}
+    for table, rows in pre_index.items():
+        assert store.derived_rows(table, RUN) == [r for r in rows if r[1] >= base]
+        assert [tuple(d.values()) for d in arch.derived[table]] == [r for r in rows if r[1] < base]
+        removed[table] = sum(1 for r in rows if r[1] < base)
+    assert plan.derived_removed == removed
+    assert removed[ROLLOUT_INDEX] + removed[SIBLING_INDEX] == base - 1
 
     # Payloads still needed are kept: those of kept events and of the base's live groups.
     for row in store.read(RUN):

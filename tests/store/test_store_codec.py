@@ -125,7 +125,8 @@ def test_encode_many_is_encode_of_each_event() -> None:
     keys = [(1, "a"), None, (3, None)]
     many = codec.encode_many(events, recorded_at=stamps, derived=keys)
     one_by_one = [
-        codec.encode(e, recorded_at=t, derived=k) for e, t, k in zip(events, stamps, keys)
+        codec.encode(e, recorded_at=t, derived=k)
+        for e, t, k in zip(events, stamps, keys, strict=True)
     ]
     assert many == one_by_one
     assert all(type(row) is NewEvent for row in many)
