@@ -201,10 +201,6 @@ class IndexedEvent(NamedTuple):
         return cls(*row, step, wv, group_id, None, None)
 
 
-def _is_sibling(ev: NewEvent) -> bool:
-    return ev.type in SIBLING_TYPES and ev.derived is not None and ev.derived[0] is not None
-
-
 class RolloutIndexer:
     """The :class:`rolloutlog.eventstore.Indexer` of ``rollout_index``.
 
@@ -218,10 +214,11 @@ class RolloutIndexer:
 
     def rows(self, run_id: str, first_seq: int, batch: Sequence[NewEvent]) -> list[tuple[Any, ...]]:
         """One row per event that carries rollout keys and is not a sibling event."""
+        # (Checks inlined: this runs for every event of every append.)
         return [
-            (run_id, first_seq + i, ev.type, *ev.derived)
+            (run_id, first_seq + i, ev[0], *d)
             for i, ev in enumerate(batch)
-            if ev.derived is not None and not _is_sibling(ev)
+            if (d := ev[4]) is not None and (ev[0] not in SIBLING_TYPES or d[0] is None)
         ]
 
 
@@ -235,9 +232,9 @@ class SiblingIndexer:
     def rows(self, run_id: str, first_seq: int, batch: Sequence[NewEvent]) -> list[tuple[Any, ...]]:
         """One ``(run_id, seq, group_id)`` row per sibling event."""
         return [
-            (run_id, first_seq + i, ev.derived[0])  # type: ignore[index]
+            (run_id, first_seq + i, d[0])
             for i, ev in enumerate(batch)
-            if _is_sibling(ev)
+            if ev[0] in SIBLING_TYPES and (d := ev[4]) is not None and d[0] is not None
         ]
 
 
@@ -254,7 +251,7 @@ class StepMarkIndexer:
         value: tuple[Any, Any] | None = None
         at = 0
         for i, ev in enumerate(batch):
-            derived = ev.derived
+            derived = ev[4]
             if derived is None:
                 continue
             now = (derived[3], derived[4])
