@@ -88,6 +88,17 @@ class Worker:
         assert msg.get("event") != "error", msg
         return msg
 
+    def newest(self, timeout: float = 120.0) -> dict[str, Any]:
+        """The next message, or the newest of those already queued: what the worker is
+        doing now, not what it did while the test was busy elsewhere."""
+        msg = self.next(timeout)
+        while True:
+            try:
+                msg = self.messages.get_nowait()
+            except queue.Empty:
+                return msg
+            assert msg.get("event") != "error", msg
+
     def close(self) -> None:
         kill_group(self.proc)
         self.err.close()
@@ -135,10 +146,12 @@ def test_counters_never_decrease_across_a_kill_and_a_restore(tmp_path: Path) -> 
                 step = msg.get("step", step)
             prom.wait_until('count_over_time(rollout_train_step{job="embedded"}[5m]) >= 3', bool)
             prom.wait_until('count_over_time(rollout_train_step{job="serve"}[5m]) >= 3', bool)
-            # Kill three steps after a checkpoint (every 5 steps): work to roll back.
-            msg = first.next()
+            # Kill three steps after a checkpoint (every 5 steps): work to roll back. The
+            # worker trained on while Prometheus was awaited: judge by its newest message
+            # (a queued older one could kill it just after a later checkpoint instead).
+            msg = first.newest()
             while msg.get("step", -1) % 5 != 2:
-                msg = first.next()
+                msg = first.newest()
             assert msg["step"] < cfg.steps - 3, "finished too soon"
             os.killpg(first.proc.pid, 9)  # a real crash: no flush, generation in flight
             first.proc.wait(timeout=30)
