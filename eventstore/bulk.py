@@ -25,7 +25,13 @@ _KEPT_SIZES = 256
 
 
 class MultiRowInsert:
-    """Builds the multi-row ``INSERT`` statements of one table (``?`` placeholders)."""
+    """Builds the multi-row ``INSERT`` statements of one table (``?`` placeholders).
+
+    ``shared``: columns whose value is the same for every row of a batch (the run id, the
+    writer's epoch), bound once per statement instead of once per row: the statement is
+    ``INSERT INTO t (...) SELECT ?1, column1, ... FROM (VALUES (...), ...)``, and its
+    parameters are the shared values, then the other columns' values row after row.
+    """
 
     def __init__(
         self,
@@ -34,16 +40,36 @@ class MultiRowInsert:
         *,
         max_variables: int = SQLITE_MAX_VARIABLES,
         suffix: str = "",
+        shared: Sequence[str] = (),
     ) -> None:
         if not columns:
             raise ValueError("a multi-row insert needs at least one column")
+        unknown = [c for c in shared if c not in columns]
+        if unknown:
+            raise ValueError(f"shared columns {unknown} are not columns of {table}")
+        if shared and suffix:
+            # INSERT ... SELECT before ON CONFLICT needs a WHERE clause to parse: not needed.
+            raise ValueError("shared columns and a suffix cannot be combined")
         self.table = table
         self.columns = tuple(columns)
+        self.shared = tuple(shared)
+        #: The columns given row by row (in ``chunks``' flat values).
+        self.per_row = tuple(c for c in self.columns if c not in self.shared)
+        if not self.per_row:
+            raise ValueError("a multi-row insert needs at least one column per row")
         self.suffix = suffix
-        self._tuple = "(" + ", ".join("?" * len(self.columns)) + ")"
-        width = len(self.columns)
+        self._tuple = "(" + ", ".join("?" * len(self.per_row)) + ")"
+        width = len(self.per_row)
         #: The most rows whose parameters fit in one statement.
-        self.max_rows = max(1, max_variables // width)
+        self.max_rows = max(1, (max_variables - len(self.shared)) // width)
+        if self.shared:
+            select = ", ".join(
+                f"?{self.shared.index(c) + 1}"
+                if c in self.shared
+                else f"column{self.per_row.index(c) + 1}"
+                for c in self.columns
+            )
+            self._head = f"INSERT INTO {table} ({', '.join(self.columns)}) SELECT {select} FROM ("
         self._sql: dict[int, str] = {}
 
     def sql(self, rows: int) -> str:
@@ -53,25 +79,33 @@ class MultiRowInsert:
             if len(self._sql) >= _KEPT_SIZES:
                 self._sql.clear()
             values = ", ".join([self._tuple] * rows)
-            text = self._sql[rows] = (
-                f"INSERT INTO {self.table} ({', '.join(self.columns)}) VALUES {values}"
-                + (f" {self.suffix}" if self.suffix else "")
-            )
+            if self.shared:
+                text = f"{self._head}VALUES {values})"
+            else:
+                text = f"INSERT INTO {self.table} ({', '.join(self.columns)}) VALUES {values}" + (
+                    f" {self.suffix}" if self.suffix else ""
+                )
+            self._sql[rows] = text
         return text
 
-    def chunks(self, flat: list[Any], rows: int) -> Iterator[tuple[str, list[Any]]]:
-        """``(sql, parameters)`` pairs inserting ``rows`` rows whose values, row after row,
-        are ``flat``: as few statements as the parameter limit allows."""
-        width = len(self.columns)
-        if len(flat) != rows * width:
+    def chunks(
+        self, flat: list[Any], rows: int, shared: Sequence[Any] = ()
+    ) -> Iterator[tuple[str, list[Any]]]:
+        """``(sql, parameters)`` pairs inserting ``rows`` rows whose values of the
+        :attr:`per_row` columns, row after row, are ``flat`` (and of the shared columns,
+        ``shared``): as few statements as the parameter limit allows."""
+        width = len(self.per_row)
+        if len(flat) != rows * width or len(shared) != len(self.shared):
             raise StoreError(
                 f"{self.table}: {len(flat)} values for {rows} rows of {width} columns "
-                f"({', '.join(self.columns)})"
+                f"({', '.join(self.per_row)}) and {len(shared)} for the shared "
+                f"({', '.join(self.shared)})"
             )
         pieces = -(-rows // self.max_rows)  # ceil: equal pieces, so sizes repeat
         start = 0
         for i in range(pieces):
             size = rows // pieces + (1 if i < rows % pieces else 0)
             end = start + size * width
-            yield self.sql(size), flat if (start == 0 and end == len(flat)) else flat[start:end]
+            part = flat if (start == 0 and end == len(flat)) else flat[start:end]
+            yield self.sql(size), [*shared, *part] if shared else part
             start = end

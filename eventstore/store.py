@@ -103,11 +103,11 @@ def _iso(ts: datetime) -> str:
     return ts.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
 
 
-def sqlite_event_values(
-    run_id: str, batch: Sequence[NewEvent], expected_seq: int, epoch: int
-) -> list[Any]:
-    """The values of ``batch``'s ``events`` rows (offsets ``expected_seq ..``), row after
-    row, in :data:`_COLS` order, timestamps as SQLite stores them (:func:`_iso`).
+def sqlite_event_values(batch: Sequence[NewEvent], expected_seq: int) -> list[Any]:
+    """The per-row values of ``batch``'s ``events`` rows (offsets ``expected_seq ..``), row
+    after row, in the order of :func:`events_insert`'s per-row columns (seq, type, schema
+    version, recorded_at, payload; the run id and epoch are bound once), timestamps as
+    SQLite stores them (:func:`_iso`).
 
     The append hot path: one loop, no row tuples; a timestamp is formatted once per
     distinct object (a command's events share one), the "YYYY-MM-DD HH:MM:SS" part once
@@ -132,8 +132,32 @@ def sqlite_event_values(
                 text = f"{prefix}.{stamp.microsecond:06d}"
             else:
                 text = _iso(stamp)
-        extend((run_id, seq, epoch, event[0], event[1], text, event[2]))
+        extend((seq, event[0], event[1], text, event[2]))
     return out
+
+
+def events_insert() -> MultiRowInsert:
+    """SQLite's multi-row insert of ``events`` rows: the run id and epoch once."""
+    return MultiRowInsert("events", _COLS.split(", "), shared=("run_id", "epoch"))
+
+
+def derived_insert(table: str, columns: Sequence[str]) -> MultiRowInsert:
+    """SQLite's multi-row insert of an indexer's rows: the run id (first) once."""
+    return MultiRowInsert(table, columns, shared=(columns[0],))
+
+
+def derived_values(table: str, run_id: str, rows: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """The per-row values of an indexer's ``rows`` for :func:`derived_insert` (their first
+    column, the run id, dropped: each row must name ``run_id``)."""
+    flat = [value for row in rows for value in row]
+    width = len(rows[0]) if rows else 1
+    if flat[::width].count(run_id) != len(rows) or len(flat) != width * len(rows):
+        raise StoreError(
+            f"indexer rows for {table!r} must all be {width} values starting with the "
+            f"appended run id {run_id!r}"
+        )
+    del flat[::width]
+    return flat
 
 
 def _parse_ts(value: Any) -> datetime:
@@ -172,7 +196,7 @@ class EventStore:
         marks = ", ".join([mark] * 7)
         self._insert_sql = f"INSERT INTO events ({_COLS}) VALUES ({marks})"
         # SQLite: a batch's rows go in a few multi-row INSERTs (see bulk.py).
-        self._events_bulk = MultiRowInsert("events", _COLS.split(", "))
+        self._events_bulk = events_insert()
         self._payloads_bulk = MultiRowInsert(
             "payloads", ("run_id", "payload_id", "kind", "data"), suffix="ON CONFLICT DO NOTHING"
         )
@@ -542,8 +566,8 @@ class EventStore:
         if not batch:
             return
         if self._is_sqlite:
-            flat = sqlite_event_values(run_id, batch, first_seq, epoch)
-            self._insert_chunks(conn, self._events_bulk, flat, len(batch))
+            flat = sqlite_event_values(batch, first_seq)
+            self._insert_chunks(conn, self._events_bulk, flat, len(batch), (run_id, epoch))
         else:
             rows = [
                 (run_id, seq, epoch, type_, version, stamp, payload)
@@ -552,8 +576,14 @@ class EventStore:
             conn.exec_driver_sql(self._insert_sql, rows)
 
     @staticmethod
-    def _insert_chunks(conn: Connection, bulk: MultiRowInsert, flat: list[Any], n: int) -> None:
-        for sql, params in bulk.chunks(flat, n):
+    def _insert_chunks(
+        conn: Connection,
+        bulk: MultiRowInsert,
+        flat: list[Any],
+        n: int,
+        shared: Sequence[Any] = (),
+    ) -> None:
+        for sql, params in bulk.chunks(flat, n, shared):
             conn.exec_driver_sql(sql, tuple(params))
 
     def _insert_derived(
@@ -567,8 +597,9 @@ class EventStore:
             if not index_rows:
                 continue
             if self._is_sqlite:
-                flat = [value for row in index_rows for value in row]
-                self._insert_chunks(conn, self._indexers_bulk[indexer.table], flat, len(index_rows))
+                flat = derived_values(indexer.table, run_id, index_rows)
+                bulk = self._indexers_bulk[indexer.table]
+                self._insert_chunks(conn, bulk, flat, len(index_rows), (run_id,))
             else:
                 conn.exec_driver_sql(index_sql, index_rows)
 
@@ -654,7 +685,7 @@ class EventStore:
             f"VALUES ({', '.join([mark] * len(indexer.columns))})"
         )
         self._indexers.append((indexer, sql))
-        self._indexers_bulk[indexer.table] = MultiRowInsert(indexer.table, indexer.columns)
+        self._indexers_bulk[indexer.table] = derived_insert(indexer.table, indexer.columns)
 
     @property
     def indexers(self) -> tuple[Indexer, ...]:

@@ -64,7 +64,12 @@ from rolloutlog.eventstore import (
 )
 from rolloutlog.eventstore.groupcommit import CommitWriter
 from rolloutlog.eventstore.schema import events as events_table
-from rolloutlog.eventstore.store import DEFAULT_SQLITE_SYNCHRONOUS
+from rolloutlog.eventstore.store import (
+    DEFAULT_SQLITE_SYNCHRONOUS,
+    derived_insert,
+    derived_values,
+    events_insert,
+)
 from rolloutlog.eventstore.writer_process import ProcessCommitter
 
 from ._common import scratch_dir
@@ -429,13 +434,13 @@ def bench_sql_layer(path: Path, specs: Sequence[Spec], *, batch: int, layout: st
     code of that revision). ``now``: the generic events table plus the controller's
     rollout index as it ships (revision 0011: the rows its indexers build for each
     batch, here the sibling index and step marks), each table's rows in the multi-row
-    statements the store issues (:class:`rolloutlog.eventstore.bulk.MultiRowInsert`).
+    statements the store issues (:func:`rolloutlog.eventstore.store.events_insert` and
+    :func:`~rolloutlog.eventstore.store.derived_insert`: the run id and epoch bound once
+    per statement).
     ``fat_index``: as ``now`` but one ``rollout_index`` row of every key per event (the
     layout of revision 0010). ``generic``: the events table alone, as the store writes
     it without an indexer.
     """
-    from rolloutlog.eventstore.bulk import MultiRowInsert
-
     conn = _sql_layer_connection(path)
     try:
         dumps = json.JSONEncoder(separators=(",", ":")).encode
@@ -456,8 +461,9 @@ def bench_sql_layer(path: Path, specs: Sequence[Spec], *, batch: int, layout: st
         else:
             for statement in _events_ddl() if layout != "generic" else _events_ddl()[:1]:
                 conn.execute(statement)
-            flat_events = [v for r in base for v in r]
-            events_bulk = MultiRowInsert("events", _COLS.split(", "))
+            # The statements the store issues: run id and epoch bound once per statement.
+            flat_events = [v for r in base for v in (r[1], r[3], r[4], r[5], r[6])]
+            events_bulk = events_insert()
             fat = _FatIndexer()
             indexers = {"now": INDEXERS, "fat_index": (fat,), "generic": ()}[layout]
             for k, start in enumerate(range(0, n, batch)):
@@ -467,8 +473,9 @@ def bench_sql_layer(path: Path, specs: Sequence[Spec], *, batch: int, layout: st
                 ]
                 for indexer in indexers:
                     index_rows = indexer.rows(RUN_ID, start + 1, part)
-                    bulk = MultiRowInsert(indexer.table, indexer.columns)
-                    derived[k].append((bulk, [v for r in index_rows for v in r], len(index_rows)))
+                    bulk = derived_insert(indexer.table, indexer.columns)
+                    flat = derived_values(indexer.table, RUN_ID, index_rows)
+                    derived[k].append((bulk, flat, len(index_rows)))
         with _Stopwatch() as clock:
             for k, start in enumerate(range(0, n, batch)):
                 end = min(n, start + batch)
@@ -478,12 +485,12 @@ def bench_sql_layer(path: Path, specs: Sequence[Spec], *, batch: int, layout: st
                     conn.executemany(insert, rows[start:end])
                 else:
                     for sql, params in events_bulk.chunks(
-                        flat_events[start * 7 : end * 7], end - start
+                        flat_events[start * 5 : end * 5], end - start, (RUN_ID, 1)
                     ):
                         conn.execute(sql, params)
                     for bulk, flat, count in derived[k]:
                         if count:
-                            for sql, params in bulk.chunks(flat, count):
+                            for sql, params in bulk.chunks(flat, count, (RUN_ID,)):
                                 conn.execute(sql, params)
                 conn.execute("COMMIT")
         count = conn.execute("SELECT count(*) FROM events").fetchone()[0]
