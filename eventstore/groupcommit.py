@@ -80,7 +80,13 @@ class Committer(abc.ABC):
 
     @abc.abstractmethod
     async def aflush(self) -> int:
-        """Await durability of everything submitted so far without blocking the event loop."""
+        """Await durability of everything submitted so far without blocking the event loop.
+
+        Always a suspension point: when everything is durable already it still yields to
+        the loop once, so a caller's commands on either side of an output commit do not
+        run back to back while other tasks wait (with a writer process, commits are
+        often done before the caller asks).
+        """
 
     @abc.abstractmethod
     def close(self, *, flush: bool = True) -> None:
@@ -278,22 +284,27 @@ class GroupCommitter(Committer):
             return self._durable
 
     async def aflush(self) -> int:
-        """Await durability of everything submitted so far without blocking the event loop."""
+        """Await durability of everything submitted so far without blocking the event loop
+        (a suspension point even when all is durable: see :meth:`Committer.aflush`)."""
         loop = asyncio.get_running_loop()
+        durable: int | None = None
         with self._cv:
             target = self._next_seq - 1
             if self._error is None and self._durable >= target:
-                return self._durable
-            if self._error is None and self._stopped:
+                durable = self._durable
+            elif self._error is None and self._stopped:
                 raise GroupCommitClosedError(
                     f"the commit thread of run {self.run_id!r} stopped before offset {target} "
                     "was durable"
                 )
-            if self._error is None:
+            elif self._error is None:
                 fut: asyncio.Future[int] = loop.create_future()
                 self._waiters.append((target, loop, fut))
                 self._wanted = max(self._wanted, target)
                 self._cv.notify_all()
+        if durable is not None:
+            await asyncio.sleep(0)  # a suspension point even when nothing is left to wait for
+            return durable
         if self._error is not None:
             raise GroupCommitClosedError(
                 f"appending to run {self.run_id!r} failed: {self._error}"

@@ -364,18 +364,22 @@ class ProcessCommitter(Committer):
                 select.select([self._r], writable, [], min(wait, 1.0))
 
     async def aflush(self) -> int:
-        """Await durability of everything submitted so far without blocking the event loop."""
+        """Await durability of everything submitted so far without blocking the event loop
+        (a suspension point even when all is durable: see :meth:`Committer.aflush`)."""
         loop = asyncio.get_running_loop()
         with self._lock:
             self._poll()
             self._raise_if_failed()
             target = self._next_seq - 1
-            if self._durable >= target:
-                return self._durable
-            fut: asyncio.Future[int] = loop.create_future()
-            self._waiters.append((target, loop, fut))
-            self._request_flush(target)
-            self._watch(loop)
+            durable = self._durable if self._durable >= target else None
+            if durable is None:
+                fut: asyncio.Future[int] = loop.create_future()
+                self._waiters.append((target, loop, fut))
+                self._request_flush(target)
+                self._watch(loop)
+        if durable is not None:
+            await asyncio.sleep(0)  # a suspension point even when nothing is left to wait for
+            return durable
         tick = loop.call_later(1.0, self._tick, loop)
         try:
             return await fut

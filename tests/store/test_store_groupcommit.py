@@ -448,3 +448,30 @@ def test_flush_never_hangs_when_the_writer_thread_ends(db_url, open_store, commi
     gc.submit(make_batch(1, 1))
     with pytest.raises(GroupCommitClosedError, match="writer thread killed"):
         gc.flush(timeout=10)
+
+
+def test_aflush_yields_to_the_loop_even_when_all_is_durable(
+    db_url, open_store, committers
+) -> None:
+    """A caller's commands on either side of an output commit must not run back to back
+    when the commit is already done (a writer process is often done before it is asked)."""
+    store = open_store(db_url)
+    store.create_run("r1")
+    gc = committers(store, window_s=0.0)
+    gc.submit(make_batch(1, 2))
+    assert gc.flush(timeout=30) == 2
+
+    async def main() -> tuple[int, bool]:
+        ran = False
+
+        async def other() -> None:
+            nonlocal ran
+            ran = True
+
+        task = asyncio.get_running_loop().create_task(other())
+        durable = await gc.aflush()
+        seen = ran
+        await task
+        return durable, seen
+
+    assert asyncio.run(main()) == (2, True)
