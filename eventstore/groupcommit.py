@@ -54,16 +54,17 @@ class Committer(abc.ABC):
     writer: CommitWriter
     run_id: str
     epoch: int
+    _next_seq: int  # the offset the next submitted event gets
+
+    @property
+    def next_seq(self) -> int:
+        """Sequence the next submitted event will get."""
+        return self._next_seq
 
     @property
     @abc.abstractmethod
     def durable_seq(self) -> int:
         """Newest sequence known to be durable."""
-
-    @property
-    @abc.abstractmethod
-    def next_seq(self) -> int:
-        """Sequence the next submitted event will get."""
 
     @property
     @abc.abstractmethod
@@ -145,29 +146,24 @@ def open_committer(
         raise ValueError(f"writer must be 'auto', 'thread' or 'process', got {writer!r}")
     if writer == "auto":
         writer = "process" if takes_writer_process(store) else "thread"
+    common: dict[str, Any] = {
+        "epoch": epoch,
+        "next_seq": next_seq,
+        "max_batch": max_batch,
+        "window_s": window_s,
+        "lock_timeout_s": lock_timeout_s,
+    }
     if writer == "process":
         from .writer_process import ProcessCommitter
 
         return ProcessCommitter(
             store,
             run_id,
-            epoch=epoch,
-            next_seq=next_seq,
-            max_batch=max_batch,
-            window_s=window_s,
-            lock_timeout_s=lock_timeout_s,
+            **common,
             start_timeout_s=start_timeout_s,
             reply_timeout_s=reply_timeout_s,
         )
-    return GroupCommitter(
-        store,
-        run_id,
-        epoch=epoch,
-        next_seq=next_seq,
-        max_batch=max_batch,
-        window_s=window_s,
-        lock_timeout_s=lock_timeout_s,
-    )
+    return GroupCommitter(store, run_id, **common)
 
 
 class GroupCommitter(Committer):
@@ -222,11 +218,6 @@ class GroupCommitter(Committer):
     def durable_seq(self) -> int:
         """Newest sequence known to be durable."""
         return self._durable
-
-    @property
-    def next_seq(self) -> int:
-        """Sequence the next submitted event will get."""
-        return self._next_seq
 
     @property
     def commit_seconds(self) -> list[float]:

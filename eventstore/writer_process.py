@@ -55,7 +55,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -278,23 +278,15 @@ class ProcessCommitter(Committer):
         Raises what a flush would: :class:`GroupCommitClosedError` if the child failed or
         missed its start deadline; ``TimeoutError`` past ``timeout``.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            with self._lock:
-                self._poll()
-                self._raise_if_failed()
-                if self._ready:
-                    return
-                if self._child_done:
-                    raise GroupCommitClosedError(f"the committer of run {self.run_id!r} is closed")
-                wait = self._seconds_to_deadline()
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"the writer process did not start within {timeout}s")
-                wait = min(wait, left)
-            with contextlib.suppress(OSError, ValueError):
-                select.select([self._r], [], [], min(wait, 1.0))
+
+        def started() -> bool:
+            if self._ready:
+                return True
+            if self._child_done:
+                raise GroupCommitClosedError(f"the committer of run {self.run_id!r} is closed")
+            return False
+
+        self._wait(started, timeout, "the writer process did not start within {}s")
 
     @property
     def durable_seq(self) -> int:
@@ -302,11 +294,6 @@ class ProcessCommitter(Committer):
         with self._lock:
             self._poll(force=False)
             return self._durable
-
-    @property
-    def next_seq(self) -> int:
-        """Sequence the next submitted event will get."""
-        return self._next_seq
 
     @property
     def commit_seconds(self) -> list[float]:
@@ -343,22 +330,33 @@ class ProcessCommitter(Committer):
 
     def flush(self, timeout: float | None = None) -> int:
         """Block until every event submitted so far is durable; return the durable sequence."""
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             target = self._next_seq - 1
             self._request_flush(target)
+        self._wait(
+            lambda: self._durable >= target,
+            timeout,
+            f"flush of run {self.run_id!r} timed out after {{}}s",
+        )
+        return self._durable
+
+    def _wait(self, done: Callable[[], bool], timeout: float | None, late: str) -> None:
+        """Poll the child (and hand it what is kept) until ``done()``, a failure (raised as
+        a flush raises it) or ``timeout`` (``TimeoutError(late.format(timeout))``); the
+        child's own deadlines bound every wait."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._lock:
                 self._poll()
                 self._raise_if_failed()
-                if self._durable >= target:
-                    return self._durable
+                if done():
+                    return
                 writable = [self._w] if self._out else []
                 wait = self._seconds_to_deadline()
             if deadline is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"flush of run {self.run_id!r} timed out after {timeout}s")
+                    raise TimeoutError(late.format(timeout))
                 wait = min(wait, left)
             with contextlib.suppress(OSError, ValueError):  # a closed pipe: the poll says why
                 select.select([self._r], writable, [], min(wait, 1.0))
