@@ -248,19 +248,21 @@ class StepMarkIndexer:
     def rows(self, run_id: str, first_seq: int, batch: Sequence[NewEvent]) -> list[tuple[Any, ...]]:
         """The batch's marks (at least one when any event carries keys)."""
         out: list[tuple[Any, ...]] = []
-        value: tuple[Any, Any] | None = None
-        at = 0
-        for i, ev in enumerate(batch):
+        step: Any = None
+        version: Any = None
+        at = 0  # 0: no keyed event yet (offsets start at 1)
+        # (Compared column by column, no tuple per event: this runs for every event.)
+        for i, ev in enumerate(batch, first_seq):
             derived = ev[4]
             if derived is None:
                 continue
-            now = (derived[3], derived[4])
-            if value is not None and now != value:
-                out.append((run_id, at, *value))
-            value = now
-            at = first_seq + i
-        if value is not None:
-            out.append((run_id, at, *value))
+            if derived[3] != step or derived[4] != version:
+                if at:
+                    out.append((run_id, at, step, version))
+                step, version = derived[3], derived[4]
+            at = i
+        if at:
+            out.append((run_id, at, step, version))
         return out
 
 

@@ -109,30 +109,49 @@ def sqlite_event_values(batch: Sequence[NewEvent], expected_seq: int) -> list[An
     version, recorded_at, payload; the run id and epoch are bound once), timestamps as
     SQLite stores them (:func:`_iso`).
 
-    The append hot path: one loop, no row tuples; a timestamp is formatted once per
-    distinct object (a command's events share one), the "YYYY-MM-DD HH:MM:SS" part once
-    per distinct second with the microseconds appended to it, a third of :func:`_iso`.
+    The append hot path. Columns are laid in by slice assignment (C loops); the one Python
+    loop is the timestamps': one is formatted once per distinct object (a command's
+    events share one), its "YYYY-MM-DD HH:MM:SS" part once per distinct second (a float
+    comparison tells a stamp in the same second) with the microseconds put in by ``%``,
+    a third of :func:`_iso`'s time.
     """
-    out: list[Any] = []
-    extend = out.extend
-    seconds: dict[int, str] = {}
+    n = len(batch)
+    out: list[Any] = [None] * (5 * n)
+    if not n:
+        return out
+    types, versions, payloads, stamps, _derived = zip(*batch, strict=True)
+    out[0::5] = range(expected_seq, expected_seq + n)
+    out[1::5] = types
+    out[2::5] = versions
+    out[4::5] = payloads
+    texts: list[str] = []
+    append = texts.append
     last: datetime | None = None
     text = ""
-    for seq, event in enumerate(batch, expected_seq):
-        stamp = event[3]
+    # [low, high): the epoch seconds that `pattern` (a second's text) is right for.
+    low = high = 0.0
+    pattern = ""
+    for stamp in stamps:
         if stamp is not last:
             last = stamp
-            if stamp.tzinfo is UTC and stamp.year >= 1971:
-                # int() truncates toward zero: positive seconds only. Exact: the float's
-                # spacing at today's epoch seconds (~2e-7) is finer than 1 us.
-                second = int(stamp.timestamp())
-                prefix = seconds.get(second)
-                if prefix is None:
-                    prefix = seconds[second] = _iso(stamp)[:19]
-                text = f"{prefix}.{stamp.microsecond:06d}"
-            else:
+            if stamp.tzinfo is not UTC:
                 text = _iso(stamp)
-        extend((seq, event[0], event[1], text, event[2]))
+            else:
+                at = stamp.timestamp()
+                if not low <= at < high:
+                    if stamp.year < 1971:
+                        # (Negative epoch seconds would floor the wrong way.)
+                        append(_iso(stamp))
+                        last = None
+                        continue
+                    # Exact: the float's spacing at today's epoch seconds (~2e-7) is
+                    # finer than 1 us, so no stamp of another second falls in [low, high).
+                    low = float(int(at))
+                    high = low + 1.0
+                    pattern = _iso(stamp)[:19] + ".%06d"
+                text = pattern % stamp.microsecond
+        append(text)
+    out[3::5] = texts
     return out
 
 

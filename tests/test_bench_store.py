@@ -16,6 +16,7 @@ from click.testing import CliRunner
 
 from rolloutlog.bench import store_bench
 from rolloutlog.cli import main
+from rolloutlog.controller.rollout_index import TABLES as INDEX_TABLES
 from rolloutlog.eventstore import EventStore
 
 EVENTS = 2000
@@ -259,6 +260,12 @@ def test_postgresql_mode_compares_with_raw_copy_and_measures_tail_latency(pg_url
     assert lat["from_return_p50"] < lat["p50"] and lat["from_return_p90"] < lat["p90"]
     with EventStore.open(pg_url) as store:  # the benchmark's runs were removed
         assert store.list_runs() == []
+        with store.engine.connect() as conn:  # and every row they wrote, index rows too
+            for table in (*INDEX_TABLES, "events", "epochs", "runs"):
+                left = conn.exec_driver_sql(
+                    f"SELECT count(*) FROM {table} WHERE run_id LIKE 'bench-%%'"
+                ).scalar()
+                assert left == 0, table
 
 
 def test_the_workload_indexes_the_keys_the_domain_events_have() -> None:

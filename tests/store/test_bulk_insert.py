@@ -4,12 +4,16 @@ parameter limit, and the checks on what the store hands them."""
 from __future__ import annotations
 
 import sqlite3
+from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from rolloutlog.eventstore import StoreError
 from rolloutlog.eventstore.bulk import MultiRowInsert
-from rolloutlog.eventstore.store import derived_values
+from rolloutlog.eventstore.records import NewEvent
+from rolloutlog.eventstore.store import _iso, derived_values, sqlite_event_values
 
 
 def _table() -> sqlite3.Connection:
@@ -63,3 +67,52 @@ def test_derived_rows_must_all_name_the_appended_run() -> None:
         derived_values("ix", "r", [("r", 1, 7), ("other", 2, 8)])
     with pytest.raises(StoreError, match="must all be 3 values"):
         derived_values("ix", "r", [("r", 1, 7), ("r", 2)])
+
+
+_STAMPS = st.one_of(
+    # Around now, often within one second of each other (the cached second's path).
+    st.datetimes(
+        min_value=datetime(2026, 12, 3, 11, 59, 58),
+        max_value=datetime(2026, 12, 3, 12, 0, 2),
+        timezones=st.just(UTC),
+    ),
+    st.datetimes(min_value=datetime(1, 1, 2), timezones=st.just(UTC)),  # before 1971 too
+    st.datetimes(  # another zone: converted to UTC
+        min_value=datetime(1971, 1, 2), timezones=st.just(timezone(timedelta(hours=5, minutes=30)))
+    ),
+)
+
+
+@given(stamps=st.lists(_STAMPS, max_size=40), repeats=st.lists(st.integers(1, 3), max_size=40))
+def test_event_values_are_the_rows_columns_with_timestamps_as_iso_writes_them(
+    stamps: list[datetime], repeats: list[int]
+) -> None:
+    """The hot path's row values: the columns in order, and every timestamp exactly as
+    :func:`_iso` formats it, whether a stamp object repeats, shares a second with the one
+    before, crosses a second or lies before 1971."""
+    # A command's events share one stamp object: repeat some.
+    shared = [
+        s for s, r in zip(stamps, repeats + [1] * len(stamps), strict=False) for _ in range(r)
+    ]
+    batch = [
+        NewEvent(f"T{i}", i % 3 + 1, f'{{"i":{i}}}', stamp, None) for i, stamp in enumerate(shared)
+    ]
+    flat = sqlite_event_values(batch, 7)
+    assert flat == [
+        value
+        for seq, ev in enumerate(batch, 7)
+        for value in (seq, ev.type, ev.schema_version, _iso(ev.recorded_at), ev.payload)
+    ]
+
+
+def test_event_values_of_the_last_microsecond_of_a_second() -> None:
+    """A stamp a microsecond before the next second keeps its second (the float check)."""
+    early = datetime(2026, 12, 3, 11, 59, 59, 0, tzinfo=UTC)
+    late = early.replace(microsecond=999_999)
+    after = late + timedelta(microseconds=1)
+    batch = [NewEvent("T", 1, "{}", stamp, None) for stamp in (early, late, after)]
+    assert sqlite_event_values(batch, 1)[3::5] == [
+        "2026-12-03 11:59:59.000000",
+        "2026-12-03 11:59:59.999999",
+        "2026-12-03 12:00:00.000000",
+    ]

@@ -450,9 +450,7 @@ def test_flush_never_hangs_when_the_writer_thread_ends(db_url, open_store, commi
         gc.flush(timeout=10)
 
 
-def test_aflush_yields_to_the_loop_even_when_all_is_durable(
-    db_url, open_store, committers
-) -> None:
+def test_aflush_yields_to_the_loop_even_when_all_is_durable(db_url, open_store, committers) -> None:
     """A caller's commands on either side of an output commit must not run back to back
     when the commit is already done (a writer process is often done before it is asked)."""
     store = open_store(db_url)
