@@ -165,6 +165,7 @@ class VLLMServerBackend(BackendBase):
         request_timeout: float = 120.0,
         control_timeout: float = 120.0,
         health_timeout: float = 5.0,
+        keepalive_expiry: float = 2.0,
         dtype: str = "float32",
         engine_id: str | None = None,
         transport: Any = None,
@@ -184,6 +185,13 @@ class VLLMServerBackend(BackendBase):
         self.request_timeout = request_timeout
         self.control_timeout = control_timeout
         self.health_timeout = health_timeout
+        if not keepalive_expiry > 0:
+            raise ValueError(f"keepalive_expiry must be > 0 seconds, got {keepalive_expiry}")
+        # Idle pooled connections are dropped before the server drops them: vLLM's server
+        # closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s), httpx's default
+        # expiry is also 5 s, and a request sent on a connection the server is closing
+        # just then fails with ReadError (seen once in CI, on a fleet engine).
+        self.keepalive_expiry = keepalive_expiry
         self._torch_dtype: torch.dtype = getattr(torch, dtype)
         self._startup_version = weight_version
         self._weights_known = True
@@ -257,7 +265,11 @@ class VLLMServerBackend(BackendBase):
             base_url=self.base_url,
             transport=self._transport,
             timeout=httpx.Timeout(self.request_timeout, connect=self.health_timeout),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            limits=httpx.Limits(
+                max_connections=None,
+                max_keepalive_connections=256,
+                keepalive_expiry=self.keepalive_expiry,
+            ),
         )
         try:
             if not await self.check_health():

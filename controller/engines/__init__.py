@@ -45,6 +45,7 @@ def build_fleet(
             request_timeout=config.request_timeout_s,
             control_timeout=config.control_timeout_s,
             health_timeout=config.health_timeout_s,
+            keepalive_expiry=config.keepalive_expiry_s,
             engine_id=f"engine-{i}",
         )
         for i, url in enumerate(urls)

@@ -68,6 +68,13 @@ class FleetConfig(BaseModel):
     )
     health_interval_s: float = Field(1.0, gt=0, description="Seconds between /health probes.")
     health_timeout_s: float = Field(2.0, gt=0, description="Deadline of one /health probe.")
+    keepalive_expiry_s: float = Field(
+        2.0,
+        gt=0,
+        description="Idle seconds after which a pooled HTTP connection to an engine is "
+        "dropped; keep it below the server's keep-alive (vLLM: 5 s), else a request can go "
+        "out on a connection the server is closing.",
+    )
     dead_after: int = Field(
         3, ge=1, description="Failed probes in a row after which an engine is lost."
     )

@@ -189,3 +189,19 @@ def test_load_weights_dir_checks_the_manifest_version(
     assert calls[-2:] == ["/update_weight_version", "/weight_info"]  # tagged, read back
     assert run(backend.served_weight_tag()) == "rolloutlog-v4"
     assert run(backend.verify_weights()) is True
+
+
+def test_idle_connections_expire_before_the_servers_keep_alive(tiny_model_dir: Path) -> None:
+    """vLLM's server closes a connection idle for 5 s; the client must drop it first (a
+    request sent on a connection being closed fails with ReadError), and a fleet's
+    config reaches every engine's client."""
+    from rolloutlog.controller.engines import FleetConfig, build_fleet
+
+    assert VLLMServerBackend("http://engine", vocab_size=8).keepalive_expiry < 5
+    with pytest.raises(ValueError, match="keepalive_expiry"):
+        VLLMServerBackend("http://engine", vocab_size=8, keepalive_expiry=0)
+    config = FleetConfig(urls=("http://a", "http://b"), keepalive_expiry_s=1.5)
+    fleet = build_fleet(config, config.urls, model_dir=tiny_model_dir)
+    assert [e.backend.keepalive_expiry for e in fleet.engines] == [1.5, 1.5]  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="keepalive_expiry_s"):
+        FleetConfig(urls=("http://a",), keepalive_expiry_s=0)
