@@ -136,19 +136,16 @@ def sqlite_event_values(batch: Sequence[NewEvent], expected_seq: int) -> list[An
             last = stamp
             if stamp.tzinfo is not UTC:
                 text = _iso(stamp)
+            elif low <= (at := stamp.timestamp()) < high:
+                text = pattern % stamp.microsecond
+            elif stamp.year < 1971:
+                text = _iso(stamp)  # negative epoch seconds would floor the wrong way
             else:
-                at = stamp.timestamp()
-                if not low <= at < high:
-                    if stamp.year < 1971:
-                        # (Negative epoch seconds would floor the wrong way.)
-                        append(_iso(stamp))
-                        last = None
-                        continue
-                    # Exact: the float's spacing at today's epoch seconds (~2e-7) is
-                    # finer than 1 us, so no stamp of another second falls in [low, high).
-                    low = float(int(at))
-                    high = low + 1.0
-                    pattern = _iso(stamp)[:19] + ".%06d"
+                # Exact: the float's spacing at today's epoch seconds (~2e-7) is finer
+                # than 1 us, so no stamp of another second falls in [low, high).
+                low = float(int(at))
+                high = low + 1.0
+                pattern = _iso(stamp)[:19] + ".%06d"
                 text = pattern % stamp.microsecond
         append(text)
     out[3::5] = texts
