@@ -1128,7 +1128,15 @@ def _make_sqlite_engine(url: URL, *, readonly: bool) -> Engine:
         raise StoreUrlError(
             f"synchronous={sync!r} in {url!s}: choose one of {', '.join(SQLITE_SYNCHRONOUS)}"
         )
-    busy_ms = int(query.pop("busy_timeout_ms", DEFAULT_BUSY_TIMEOUT_MS))
+    raw_busy = query.pop("busy_timeout_ms", DEFAULT_BUSY_TIMEOUT_MS)
+    try:
+        busy_ms = int(str(raw_busy))
+    except ValueError:
+        busy_ms = -1
+    if busy_ms < 0:
+        raise StoreUrlError(
+            f"busy_timeout_ms={raw_busy!r} in {url!s}: a whole number of milliseconds >= 0"
+        )
     if query:
         raise StoreUrlError(f"unknown SQLite URL options {sorted(query)} in {url!s}")
     path = Path(url.database or "")

@@ -70,6 +70,10 @@ def test_bad_sqlite_options(tmp_path: Path) -> None:
         EventStore.open(f"sqlite:///{tmp_path / 'a.db'}?synchronous=SOMETIMES")
     with pytest.raises(StoreUrlError, match="unknown SQLite URL options"):
         EventStore.open(f"sqlite:///{tmp_path / 'a.db'}?journal=delete")
+    # A timeout that is no whole number of milliseconds is named (it was a bare ValueError).
+    for bad in ("1.5", "soon", "-1"):
+        with pytest.raises(StoreUrlError, match=f"busy_timeout_ms='{bad}'"):
+            EventStore.open(f"sqlite:///{tmp_path / 'a.db'}?busy_timeout_ms={bad}")
     assert not (tmp_path / "a.db").exists()
 
 
