@@ -7,6 +7,7 @@ in tests.
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,19 @@ def test_ratios_are_computed_from_the_reported_numbers(result: dict[str, Any]) -
         s["eventsourcing_application_recorder"]["read_eps"],
     )
     assert r["read_vs_eventsourcing"] == pytest.approx(rl["read_eps"] / best_es_read, rel=1e-2)
+
+
+def test_paired_medians_come_from_the_samples_of_each_round(result: dict[str, Any]) -> None:
+    s, r = result["systems"], result["ratios"]
+    for what in ("append", "read"):
+        ours = s["rolloutlog"][f"{what}_eps_samples"]
+        aggregate = s["eventsourcing_aggregate_recorder"][f"{what}_eps_samples"]
+        application = s["eventsourcing_application_recorder"][f"{what}_eps_samples"]
+        per_round = [a / max(b, c) for a, b, c in zip(ours, aggregate, application, strict=True)]
+        assert r[f"{what}_vs_eventsourcing_paired_median"] == pytest.approx(
+            statistics.median(per_round), rel=1e-2
+        )
+        assert result["cpu_ratios"][f"{what}_vs_eventsourcing_paired_median"] > 0
 
 
 def test_database_files_are_removed(result: dict[str, Any]) -> None:
