@@ -92,7 +92,10 @@ def plain_fields(cls: type[BaseModel]) -> bool:
 class EventCodec:
     """A registry of event types with their upcasters; encodes and decodes events."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, fast_json: bool = True) -> None:
+        """``fast_json``: write the events of :func:`plain_fields` classes with msgspec
+        (False: every event through pydantic's serialiser, byte for byte its text)."""
+        self.fast_json = fast_json
         self._types: dict[str, type[EventModel]] = {}
         self._upcasters: dict[tuple[str, int], Upcaster] = {}
         # Per class, for encode_many: (type name, schema version, plain_fields(cls),
@@ -110,7 +113,7 @@ class EventCodec:
         self._writers[cls] = (
             name,
             cls.schema_version,
-            plain_fields(cls),
+            self.fast_json and plain_fields(cls),
             cls.__pydantic_serializer__.to_json,
         )
         return cls

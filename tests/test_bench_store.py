@@ -27,6 +27,7 @@ SYSTEMS = {
     "eventsourcing_application_recorder",
     "rolloutlog",
     "rolloutlog_generic",
+    "rolloutlog_pydantic_json",
     "rolloutlog_group_commit",
     "rolloutlog_process_commit",
 }
@@ -100,6 +101,7 @@ def test_same_rows_and_realistic_payloads(result: dict[str, Any]) -> None:
     raw = systems["raw_sqlite3"]["payload_bytes_avg"]
     # rolloutlog's pydantic JSON and the raw baseline's json text are the same bytes.
     assert systems["rolloutlog"]["payload_bytes_avg"] == raw
+    assert systems["rolloutlog_pydantic_json"]["payload_bytes_avg"] == raw  # same document
     assert 120 <= raw <= 200
     # eventsourcing stores the same fields plus its own framing (timestamp transcoding).
     assert systems["eventsourcing_aggregate_recorder"]["payload_bytes_avg"] > raw
@@ -136,6 +138,11 @@ def test_paired_medians_come_from_the_samples_of_each_round(result: dict[str, An
             statistics.median(per_round), rel=1e-2
         )
         assert result["cpu_ratios"][f"{what}_vs_eventsourcing_paired_median"] > 0
+    ours = s["rolloutlog"]["append_eps_samples"]
+    pydantic_json = s["rolloutlog_pydantic_json"]["append_eps_samples"]
+    assert r["append_vs_pydantic_json_paired_median"] == pytest.approx(
+        statistics.median(a / b for a, b in zip(ours, pydantic_json, strict=True)), rel=1e-2
+    )
 
 
 def test_database_files_are_removed(result: dict[str, Any]) -> None:

@@ -761,14 +761,30 @@ def _append_batches(
     return seq - 1
 
 
+def pydantic_codec() -> EventCodec:
+    """The domain's event classes in a codec that writes every event with pydantic's
+    serialiser (``fast_json=False``): the baseline of the codec's msgspec path."""
+    codec = EventCodec(fast_json=False)
+    for cls in CODEC.types.values():
+        codec.register(cls)
+    return codec
+
+
 def bench_rolloutlog(
-    path: Path, specs: Sequence[Spec], *, batch: int, page_size: int, with_index: bool = True
+    path: Path,
+    specs: Sequence[Spec],
+    *,
+    batch: int,
+    page_size: int,
+    with_index: bool = True,
+    fast_json: bool = True,
 ) -> Measured:
     """rolloutlog's public API: EventCodec + EventStore.append; EventStore.read + decode.
 
     ``with_index``: the controller's rollout index is written in each append, as in a
-    run; without it, the generic store alone (what the peer library is)."""
-    codec = make_codec()
+    run; without it, the generic store alone (what the peer library is). ``fast_json``
+    False: the codec writes every event with pydantic (:func:`pydantic_codec`)."""
+    codec = make_codec() if fast_json else pydantic_codec()
     models = [rolloutlog_event(s) for s in specs]
     n = len(models)
     with EventStore.open(f"sqlite:///{path}") as store:
@@ -954,6 +970,9 @@ def run_store_benchmark(
         "rolloutlog_generic": lambda p: bench_rolloutlog(
             p, specs, batch=batch, page_size=page_size, with_index=False
         ),
+        "rolloutlog_pydantic_json": lambda p: bench_rolloutlog(
+            p, specs, batch=batch, page_size=page_size, fast_json=False
+        ),
         "sql_today": lambda p: bench_sql_layer(p, specs, batch=batch, layout="today"),
         "sql_now": lambda p: bench_sql_layer(p, specs, batch=batch, layout="now"),
         "sql_fat_index": lambda p: bench_sql_layer(p, specs, batch=batch, layout="fat_index"),
@@ -982,6 +1001,11 @@ def run_store_benchmark(
     cpu_ratios = _store_ratios(out, "_cpu")
     ratios.update(_paired_vs_eventsourcing(samples, ""))
     cpu_ratios.update(_paired_vs_eventsourcing(samples, "_cpu"))
+    for kind, out_ratios in (("", ratios), ("_cpu", cpu_ratios)):
+        # What the codec's msgspec path gains: the same append, each event via pydantic.
+        out_ratios["append_vs_pydantic_json_paired_median"] = _paired_median_of(
+            samples["rolloutlog"], samples["rolloutlog_pydantic_json"], f"append{kind}_seconds"
+        )
     return {
         "benchmark": "store",
         "events": events,
@@ -1043,6 +1067,16 @@ def _store_ratios(out: dict[str, dict[str, Any]], kind: str) -> dict[str, float 
         ratios[f"append_vs_eventsourcing_{name}_recorder"] = _ratio(rl[append], m[append])
         ratios[f"read_vs_eventsourcing_{name}_recorder"] = _ratio(rl[read], m[read])
     return ratios
+
+
+def _paired_median_of(num: Sequence[Measured], den: Sequence[Measured], field: str) -> float | None:
+    """Median over rounds of ``den``'s seconds ÷ ``num``'s (``num``'s speed-up)."""
+    ratios = [
+        getattr(b, field) / getattr(a, field)
+        for a, b in zip(num, den, strict=True)
+        if getattr(a, field) > 0 and getattr(b, field) > 0
+    ]
+    return round(statistics.median(ratios), 3) if ratios else None
 
 
 def _paired_vs_eventsourcing(
@@ -1218,6 +1252,7 @@ _LABELS = {
     "eventsourcing_aggregate_recorder": "eventsourcing (aggregate rec.)",
     "eventsourcing_application_recorder": "eventsourcing (application rec.)",
     "rolloutlog": "rolloutlog",
+    "rolloutlog_pydantic_json": "rolloutlog, all JSON by pydantic",
     "rolloutlog_group_commit": "rolloutlog committer, thread",
     "rolloutlog_process_commit": "rolloutlog committer, writer process",
 }
@@ -1518,12 +1553,7 @@ def bench_pg_group_commit(
 
 def _paired_median(num: Sequence[Measured], den: Sequence[Measured]) -> float | None:
     """Median over rounds of the ratio of append rates measured in the same round."""
-    ratios = [
-        b.append_seconds / a.append_seconds
-        for a, b in zip(num, den, strict=True)
-        if a.append_seconds > 0 and b.append_seconds > 0
-    ]
-    return round(statistics.median(ratios), 3) if ratios else None
+    return _paired_median_of(num, den, "append_seconds")
 
 
 def run_pg_store_benchmark(

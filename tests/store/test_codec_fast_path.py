@@ -181,6 +181,14 @@ def test_big_and_small_floats_differ_only_in_the_exponents_spelling() -> None:
         assert ours.replace("e+", "e") == _pydantic_json(event).replace("e+", "e")
 
 
+def test_fast_json_off_writes_pydantics_text_byte_for_byte() -> None:
+    codec = EventCodec(fast_json=False)
+    codec.register(Plain)
+    event = Plain(i=1, f=1e20, s="é", b=True)
+    assert codec.encode(event, recorded_at=NOW).payload == _pydantic_json(event)
+    assert _codec(Plain).encode(event, recorded_at=NOW).payload != _pydantic_json(event)
+
+
 # ------------------------------------------------------------------ properties
 _text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)
 _floats = st.floats(allow_nan=False, allow_infinity=False) | st.sampled_from([math.inf, -0.0])
