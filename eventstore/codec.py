@@ -23,8 +23,9 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any, ClassVar, Literal, TypeVar
 
+import annotated_types
 import msgspec
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, PlainSerializer, ValidationError, WrapSerializer
 
 from .errors import CorruptEventError, NewerSchemaVersionError, UnknownEventTypeError
 from .records import NewEvent, StoredEvent
@@ -63,11 +64,24 @@ def _plain(annotation: Any) -> bool:
     return False
 
 
+def _harmless(metadata: Any) -> bool:
+    """Field metadata that leaves the JSON of a validated value alone: constraints
+    (``annotated_types``, pydantic's own markers), not serialisers; anything else (a
+    type's own core schema hook...) is taken to change it."""
+    if isinstance(metadata, PlainSerializer | WrapSerializer):
+        return False
+    return (
+        isinstance(metadata, annotated_types.BaseMetadata)
+        or type(metadata).__module__.split(".")[0] == "pydantic"
+    )
+
+
 def plain_fields(cls: type[BaseModel]) -> bool:
     """Whether ``cls``'s JSON is its validated field values as plain scalars, in field
     order: every field :func:`_plain`, and nothing that changes the output (a field or
-    model serialiser, an alias, an excluded field, a computed field, extra fields kept,
-    infinities and NaN written other than as ``null``). Then msgspec writes the instance's
+    model serialiser, one in a field's ``Annotated`` metadata, an alias, an excluded
+    field, a computed field, extra fields kept, ``json_encoders``, infinities and NaN
+    written other than as ``null``). Then msgspec writes the instance's
     ``__dict__`` as pydantic's serialiser would (the codec's fast path)."""
     decorators = cls.__pydantic_decorators__
     config = cls.model_config
@@ -76,6 +90,7 @@ def plain_fields(cls: type[BaseModel]) -> bool:
         or decorators.model_serializers
         or cls.model_computed_fields
         or config.get("extra") == "allow"
+        or config.get("json_encoders")
         or config.get("ser_json_inf_nan", "null") != "null"
     ):
         return False
@@ -85,6 +100,7 @@ def plain_fields(cls: type[BaseModel]) -> bool:
         and f.serialization_alias is None
         and not f.exclude
         and getattr(f, "exclude_if", None) is None
+        and all(_harmless(m) for m in f.metadata)
         for f in cls.model_fields.values()
     )
 

@@ -7,13 +7,23 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from datetime import UTC, datetime
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pydantic import ConfigDict, Field, computed_field, field_serializer, model_serializer
+from pydantic import (
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PydanticDeprecatedSince20,
+    Strict,
+    computed_field,
+    field_serializer,
+    model_serializer,
+)
 from pydantic_core import PydanticSerializationError
 
 from rolloutlog.controller.domain.events import CODEC
@@ -43,6 +53,13 @@ def _same_document(codec: EventCodec, event: EventModel) -> None:
 
 
 # ------------------------------------------------------------------ which classes are plain
+class _OwnMarker:
+    """A marker with a core-schema hook of its own: it could write anything."""
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> Any:
+        return handler(source)
+
+
 class Plain(EventModel):
     event_type: ClassVar[str] = "Plain"
     i: int
@@ -108,6 +125,32 @@ class WithInfAsText(EventModel):
     f: float
 
 
+class WithAnnotatedSerializer(EventModel):
+    event_type: ClassVar[str] = "WithAnnotatedSerializer"
+    x: Annotated[int, PlainSerializer(lambda v: 2 * v)]
+
+
+class WithOwnMarker(EventModel):
+    event_type: ClassVar[str] = "WithOwnMarker"
+    x: Annotated[int, _OwnMarker()]
+
+
+with warnings.catch_warnings():  # json_encoders is deprecated, and still honoured
+    warnings.simplefilter("ignore", PydanticDeprecatedSince20)
+
+    class WithJsonEncoders(EventModel):
+        model_config = ConfigDict(json_encoders={float: lambda v: round(v)})
+        event_type: ClassVar[str] = "WithJsonEncoders"
+        f: float
+
+
+class WithConstraints(EventModel):
+    event_type: ClassVar[str] = "WithConstraints"
+    f: float = Field(ge=0, allow_inf_nan=False)
+    s: str = Field(max_length=8, pattern="^[a-z]*$")
+    i: Annotated[int, Strict()] = 0
+
+
 class WithExtra(EventModel):
     model_config = ConfigDict(extra="allow")
     event_type: ClassVar[str] = "WithExtra"
@@ -127,6 +170,10 @@ class WithExtra(EventModel):
         (WithComputed, False),
         (WithInfAsText, False),
         (WithExtra, False),
+        (WithAnnotatedSerializer, False),
+        (WithOwnMarker, False),
+        (WithJsonEncoders, False),
+        (WithConstraints, True),
     ],
 )
 def test_plain_fields(cls: type[EventModel], plain: bool) -> None:
@@ -143,7 +190,7 @@ def _codec(*classes: type[EventModel]) -> EventCodec:
 def test_classes_pydantic_writes_differently_keep_pydantics_output() -> None:
     codec = _codec(
         WithFieldSerializer, WithModelSerializer, WithAlias, WithExcluded, WithComputed,
-        WithInfAsText, WithExtra, WithList,
+        WithInfAsText, WithExtra, WithList, WithAnnotatedSerializer, WithJsonEncoders,
     )  # fmt: skip
     events: list[EventModel] = [
         WithFieldSerializer(x=2),
@@ -154,9 +201,12 @@ def test_classes_pydantic_writes_differently_keep_pydantics_output() -> None:
         WithInfAsText(f=math.inf),
         WithExtra(x=2, more="kept"),  # type: ignore[call-arg]
         WithList(xs=[1, 2]),
+        WithAnnotatedSerializer(x=2),
+        WithJsonEncoders(f=2.6),
     ]
     rows = codec.encode_many(events, recorded_at=NOW)
     assert [r.payload for r in rows] == [_pydantic_json(e) for e in events]
+    assert json.loads(rows[8].payload) == {"x": 4}
     # An alias is written only by_alias; the class stays off the fast path all the same.
     assert [json.loads(r.payload) for r in rows[:4]] == [
         {"x": 4}, {"y": 2}, {"x": 2}, {"x": 2},
