@@ -99,6 +99,14 @@ class StoreConfig(BaseModel):
         "wait to be committed (plus writer_lock_timeout_s) before it is killed and the "
         "committer fails (WriterProcessError).",
     )
+    log_check_threads: int = Field(
+        2,
+        ge=1,
+        description="Threads that check, while a restore or takeover replays the tail "
+        "after a snapshot, that every event before the snapshot is stored (a count over "
+        "the run's offsets, in the database: it grows with the log, so it is split into "
+        "this many ranges counted at once).",
+    )
     snapshot_interval: int = Field(
         50_000, ge=0, description="Events between state snapshots (0: never snapshot)."
     )

@@ -105,6 +105,9 @@ class ReplayResult:
     events_replayed: int
     load_seconds: float
     replay_seconds: float
+    #: Seconds spent after the replay waiting for the check that the events before the
+    #: snapshot are all stored (it runs beside the replay; 0 when it had finished).
+    log_check_seconds: float = 0.0
 
 
 def iter_history(
@@ -123,16 +126,70 @@ def replay(
     *,
     use_snapshots: bool = True,
     check_each: Callable[[RunState, StoredEvent], None] | None = None,
+    check_threads: int = 2,
 ) -> ReplayResult:
-    """Rebuild the state at ``to_seq`` (default: the end of the current history)."""
+    """Rebuild the state at ``to_seq`` (default: the end of the current history).
+
+    From the newest usable snapshot, the events before it are never read, so they are
+    checked whole (:meth:`EventStore.check_whole`, a count over the run's primary key:
+    O(log size)) while the snapshot is decoded and the tail replayed: in
+    ``check_threads`` disjoint ranges, each counted on a thread of its own, in the
+    database and off the GIL (``StoreConfig.log_check_threads``). Their
+    :class:`CorruptLogError` is raised here, after the replay; a replay that fails first
+    still waits for the checks to end, so no thread outlives the call.
+    """
+    if check_threads < 1:
+        raise ValueError(f"check_threads must be >= 1, got {check_threads}")
+    with ThreadPoolExecutor(
+        max_workers=check_threads, thread_name_prefix="rolloutlog-log-check"
+    ) as pool:
+        checking: list[Future[None]] = []
+        try:
+            result = _replay(
+                store, run_id, to_seq, use_snapshots, check_each, pool, checking, check_threads
+            )
+        except BaseException:
+            # The replay's own error wins; the check is waited for (the pool's exit).
+            for future in checking:
+                future.cancel()
+            raise
+        waited = time.perf_counter()
+        for future in checking:
+            future.result()  # counts in the database: bounded by the log's size
+        result.log_check_seconds = time.perf_counter() - waited
+    return result
+
+
+def check_ranges(upto: int, parts: int) -> list[tuple[int, int]]:
+    """Offsets ``1..upto`` as at most ``parts`` disjoint ``(from_seq, upto)`` ranges of
+    near-equal length, in order (none when ``upto`` < 1)."""
+    parts = max(1, min(parts, upto))
+    edges = [upto * k // parts for k in range(parts + 1)]
+    return [(edges[k] + 1, edges[k + 1]) for k in range(parts) if edges[k + 1] > edges[k]]
+
+
+def _replay(
+    store: EventStore,
+    run_id: str,
+    to_seq: int | None,
+    use_snapshots: bool,
+    check_each: Callable[[RunState, StoredEvent], None] | None,
+    pool: ThreadPoolExecutor,
+    checking: list[Future[None]],
+    check_threads: int,
+) -> ReplayResult:
+    """:func:`replay`'s work; the wholeness checks of the snapshot's events are started
+    on ``pool`` and put in ``checking``."""
     started = time.perf_counter()
     segments = store.history_segments(run_id, to_seq)
     state: RunState | None = None
     snap_offset: int | None = None
     if use_snapshots:
         for first, last in reversed(segments):
-            snap = store.load_snapshot(run_id, at_or_before=last)
+            snap = store.load_snapshot(run_id, at_or_before=last, check=False)
             if snap is not None and snap.seq >= first:
+                for lo, hi in check_ranges(snap.seq, check_threads):
+                    checking.append(pool.submit(store.check_whole, run_id, hi, from_seq=lo))
                 try:
                     state = decode_snapshot(snap.data)
                     snap_offset = snap.seq
@@ -287,7 +344,7 @@ class RolloutController:
         """
         cfg = store_config or StoreConfig()
         info = store.get_run(run_id)
-        result = replay(store, run_id)
+        result = replay(store, run_id, check_threads=cfg.log_check_threads)
         check_invariants(result.state)
         if result.state.config is None:
             # Only an older rolloutlog could leave this (a crash between creating the run
@@ -356,9 +413,11 @@ class RolloutController:
                 f"offset {offset} is outside run {run_id!r}, whose log holds 1..{info.last_seq}"
             )
         _check_fingerprint(info, rollout, dataset_fingerprint, force)
-        result = replay(store, run_id, offset)
+        threads = (store_config or StoreConfig()).log_check_threads
+        result = replay(store, run_id, offset, check_threads=threads)
         timings["load_snapshot"] = result.load_seconds
         timings["replay"] = result.replay_seconds
+        timings["log_check"] = result.log_check_seconds
         state = result.state
         t1 = time.perf_counter()
         marker = _checkpoint_marker(store, run_id, offset) if not force else None

@@ -273,15 +273,7 @@ class MemoryEventStore:
             ]
         for rid, events, last in found:
             _check_ends(rid, events, last)
-            for i, row in enumerate(events):
-                if row.seq != i + 1:
-                    kind = "duplicate" if row.seq <= i else "missing"
-                    raise CorruptLogError(
-                        rid,
-                        row.seq if kind == "duplicate" else i + 1,
-                        kind,
-                        f"offsets must run from 1 to last_seq = {last}",
-                    )
+            _check_offsets(rid, events, last)
 
     def add_indexer(self, indexer: Indexer) -> None:
         """See :meth:`EventStore.add_indexer`."""
@@ -332,8 +324,11 @@ class MemoryEventStore:
                 run_id, seq, schema_version, datetime.now(UTC), bytes(data)
             )
 
-    def load_snapshot(self, run_id: str, at_or_before: int | None = None) -> Snapshot | None:
-        """The newest snapshot with ``seq <= at_or_before`` (the log checked whole up to it)."""
+    def load_snapshot(
+        self, run_id: str, at_or_before: int | None = None, *, check: bool = True
+    ) -> Snapshot | None:
+        """The newest snapshot with ``seq <= at_or_before`` (the log checked whole up to
+        it unless ``check`` is False: see :meth:`EventStore.load_snapshot`)."""
         with self._lock:
             if run_id not in self._runs:
                 return None
@@ -342,9 +337,36 @@ class MemoryEventStore:
             if at_or_before is not None:
                 keys = keys[: bisect.bisect_right(keys, at_or_before)]
             snap = snaps[keys[-1]] if keys else None
-        if snap is not None:
+        if snap is not None and check:
             self.check_log(run_id)
         return snap
+
+    def check_whole(self, run_id: str, upto: int, *, from_seq: int = 1) -> None:
+        """See :meth:`EventStore.check_whole`: the ends, then offsets ``from_seq..upto``."""
+        with self._lock:
+            if run_id not in self._runs:
+                return
+            run = self._runs[run_id]
+            events, last = list(run.events), run.info.last_seq
+        _check_ends(run_id, events, last)
+        lo, hi = max(1, from_seq), min(upto, last)
+        got = [e.seq for e in events if lo <= e.seq <= hi]
+        for expected, seq in zip(range(lo, hi + 1), got, strict=False):
+            if seq != expected:
+                kind = "duplicate" if seq < expected else "missing"
+                raise CorruptLogError(
+                    run_id,
+                    seq if kind == "duplicate" else expected,
+                    kind,
+                    f"offsets must run from 1 to last_seq = {last}",
+                )
+        if len(got) != hi - lo + 1 and hi >= lo:
+            kind, at = (
+                ("missing", lo + len(got))
+                if len(got) < hi - lo + 1
+                else ("duplicate", got[hi - lo + 1])
+            )
+            raise CorruptLogError(run_id, at, kind, f"offsets must run from 1 to last_seq = {last}")
 
     def put_payload(self, run_id: str, payload_id: str, kind: str, data: bytes) -> None:
         """Store a payload (idempotent by id)."""
@@ -361,6 +383,19 @@ class MemoryEventStore:
         if data is None:
             raise PayloadNotFoundError(f"no payload {payload_id!r} in run {run_id!r}")
         return data
+
+
+def _check_offsets(run_id: str, events: list[StoredEvent], last: int) -> None:
+    """The rows must be offsets 1, 2, ... in order (the first wrong one is named)."""
+    for i, row in enumerate(events):
+        if row.seq != i + 1:
+            kind = "duplicate" if row.seq <= i else "missing"
+            raise CorruptLogError(
+                run_id,
+                row.seq if kind == "duplicate" else i + 1,
+                kind,
+                f"offsets must run from 1 to last_seq = {last}",
+            )
 
 
 def _check_ends(run_id: str, events: list[StoredEvent], last: int) -> None:

@@ -124,8 +124,15 @@ class EventStoreProtocol(Protocol):
         """Store a state blob that covers events ``1..seq``."""
         ...
 
-    def load_snapshot(self, run_id: str, at_or_before: int | None = None) -> Snapshot | None:
-        """The newest snapshot with ``seq <= at_or_before`` (any, when None), or None."""
+    def load_snapshot(
+        self, run_id: str, at_or_before: int | None = None, *, check: bool = True
+    ) -> Snapshot | None:
+        """The newest snapshot with ``seq <= at_or_before`` (any, when None), or None;
+        the log checked whole up to it unless ``check`` is False."""
+        ...
+
+    def check_whole(self, run_id: str, upto: int, *, from_seq: int = 1) -> None:
+        """Raise :class:`CorruptLogError` unless the run's rows ``from_seq..upto`` are whole."""
         ...
 
     def put_payload(self, run_id: str, payload_id: str, kind: str, data: bytes) -> None:

@@ -8,6 +8,8 @@ or blamed on a domain invariant. On SQLite and PostgreSQL.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -16,7 +18,7 @@ from click.testing import CliRunner, Result
 from reliability_harness import drive, run, start
 
 from rolloutlog.cli import main
-from rolloutlog.controller.rollout_controller import RolloutController, replay
+from rolloutlog.controller.rollout_controller import RolloutController, check_ranges, replay
 from rolloutlog.eventstore import CorruptLogError, EventStore, MemoryEventStore
 from rolloutlog.eventstore.compaction import compact
 
@@ -216,3 +218,157 @@ def test_memory_store_reports_duplicates_and_gaps() -> None:
         list(store.read("r"))
     with pytest.raises(CorruptLogError, match="offset 2: missing row"):
         store.check_log("r")
+
+
+def _snapshot_seqs(url: str) -> list[int]:
+    return sorted(r[0] for r in _sql(url, "SELECT seq FROM snapshots WHERE run_id = 'r'"))
+
+
+def test_a_row_before_the_snapshot_is_reported_though_the_replay_never_reads_it(
+    logged: str,
+) -> None:
+    """The replay from a snapshot reads only the tail; the events the snapshot stands for
+    are checked whole beside it (on a thread), and a gap there fails the replay."""
+    snap = _snapshot_seqs(logged)[-1]
+    last = _sql(logged, "SELECT last_seq FROM runs WHERE run_id = 'r'")[0][0]
+    assert 2 < snap < last, "the fixture needs a snapshot with events after it"
+    victim = snap // 2
+    _sql(logged, "DELETE FROM events WHERE run_id = 'r' AND seq = :s", s=victim)
+    store = EventStore.open(logged)
+    try:
+        # The tail alone is whole: without the check, the replay would succeed.
+        assert [r.seq for r in store.read("r", snap + 1)] == list(range(snap + 1, last + 1))
+        unchecked = store.load_snapshot("r", check=False)
+        assert unchecked is not None and unchecked.seq == snap
+        store.check_whole("r", victim - 1)  # whole below the gap
+        store.check_whole("r", snap, from_seq=victim + 1)  # and above it
+        for call in (
+            lambda: store.check_whole("r", snap),
+            lambda: store.check_whole("r", victim, from_seq=victim),
+            lambda: replay(store, "r", check_threads=1),
+            lambda: store.load_snapshot("r"),
+            lambda: replay(store, "r"),
+        ):
+            with pytest.raises(CorruptLogError) as info:
+                call()
+            assert (info.value.offset, info.value.kind) == (victim, "missing")
+    finally:
+        store.close()
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("rolloutlog-log-check")]
+    assert alive == []
+
+
+class _GatedStore:
+    """Delegates to a store; its ``check_whole`` waits (10 s at most) until the replay
+    has started reading the tail, and records whether it had."""
+
+    def __init__(self, store: EventStore) -> None:
+        self._store = store
+        self.tail_read = threading.Event()
+        self.check_saw_tail: list[bool] = []
+        self.checked: list[tuple[int, int]] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._store, name)
+
+    def read(self, *args: object, **kwargs: object) -> Iterator[object]:
+        self.tail_read.set()
+        return self._store.read(*args, **kwargs)  # type: ignore[arg-type]
+
+    def check_whole(self, run_id: str, upto: int, *, from_seq: int = 1) -> None:
+        self.check_saw_tail.append(self.tail_read.wait(10))
+        self.checked.append((from_seq, upto))
+        self._store.check_whole(run_id, upto, from_seq=from_seq)
+
+
+def test_the_check_runs_beside_the_tail_replay(logged: str) -> None:
+    """The wholeness check does not hold up the replay (it would wait out its 10 s gate
+    and record False if the replay waited for it first), and its time is reported."""
+    store = EventStore.open(logged)
+    try:
+        gated = _GatedStore(store)
+        result = replay(gated, "r", check_threads=3)  # type: ignore[arg-type]
+        assert gated.check_saw_tail == [True, True, True]
+        snap = _snapshot_seqs(logged)[-1]
+        assert result.snapshot_offset == snap
+        # Three disjoint ranges that cover 1..snap.
+        assert sorted(gated.checked) == check_ranges(snap, 3)
+        assert result.events_replayed == store.last_seq("r") - result.snapshot_offset
+        assert result.log_check_seconds >= 0.0
+    finally:
+        store.close()
+
+
+def test_a_failing_replay_waits_for_the_check_and_raises_its_own_error(logged: str) -> None:
+    """A replay that fails (here: a store read error) raises that error, after the check
+    on the thread has ended: no thread outlives the call."""
+    store = EventStore.open(logged)
+    ended = threading.Event()
+
+    class _Failing(_GatedStore):
+        def read(self, *args: object, **kwargs: object) -> Iterator[object]:
+            self.tail_read.set()
+            raise RuntimeError("read failed")
+
+        def check_whole(self, run_id: str, upto: int, *, from_seq: int = 1) -> None:
+            super().check_whole(run_id, upto, from_seq=from_seq)
+            time.sleep(0.2)  # still running when the replay has failed
+            ended.set()
+
+    try:
+        with pytest.raises(RuntimeError, match="read failed"):
+            replay(_Failing(store), "r")  # type: ignore[arg-type]
+        assert ended.is_set()
+    finally:
+        store.close()
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("rolloutlog-log-check")]
+    assert alive == []
+
+
+def test_restore_reports_the_log_check_phase(logged: str) -> None:
+    store = EventStore.open(logged)
+    try:
+        ctl, report = RolloutController.restore(store, "r", _checkpoints(logged)[-1])
+        ctl.close()
+        assert report.snapshot_offset is not None
+        assert report.timings["log_check"] >= 0.0
+        assert {"load_snapshot", "replay", "log_check", "check", "total"} <= set(report.timings)
+    finally:
+        store.close()
+
+
+def test_memory_store_checks_whole_up_to_an_offset() -> None:
+    store = MemoryEventStore()
+    ctl = start(store)
+    run(drive(ctl, 1))
+    ctl.close()
+    last = store.last_seq("r")
+    events = store._runs["r"].events
+    del events[4]  # offset 5 is missing
+    store.check_whole("r", 4)
+    store.check_whole("ghost", 10)  # an unknown run is not checked
+    with pytest.raises(CorruptLogError, match="offset 5: missing row"):
+        store.check_whole("r", 5)
+    with pytest.raises(CorruptLogError, match="offset 5: missing row"):
+        store.check_whole("r", last + 10)
+    store.check_whole("r", last, from_seq=6)
+    with pytest.raises(CorruptLogError, match="offset 5: missing row"):
+        store.check_whole("r", 5, from_seq=5)
+    events.insert(5, events[5])  # offset 7 stored twice
+    with pytest.raises(CorruptLogError, match="offset 7: duplicate row"):
+        store.check_whole("r", last, from_seq=6)
+
+
+@pytest.mark.parametrize(("upto", "parts"), [(0, 2), (1, 2), (5, 1), (5, 2), (7, 3), (10, 4)])
+def test_check_ranges_split_the_offsets_evenly(upto: int, parts: int) -> None:
+    ranges = check_ranges(upto, parts)
+    covered = [seq for lo, hi in ranges for seq in range(lo, hi + 1)]
+    assert covered == list(range(1, upto + 1))
+    assert len(ranges) == min(parts, upto)
+    sizes = [hi - lo + 1 for lo, hi in ranges]
+    assert not sizes or max(sizes) - min(sizes) <= 1
+
+
+def test_replay_refuses_no_check_threads() -> None:
+    with pytest.raises(ValueError, match="check_threads must be >= 1"):
+        replay(MemoryEventStore(), "r", check_threads=0)
