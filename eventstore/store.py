@@ -103,6 +103,13 @@ def _iso(ts: datetime) -> str:
     return ts.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
 
 
+#: The years whose stamps :func:`sqlite_event_values` may give a cached second: the float
+#: of an epoch second below 2**33 (the year 2242) is spaced under 2 us, so rounding (half
+#: a spacing) never carries a stamp's .999999 into the next second; before 1971 the
+#: seconds are negative and int() truncates toward the wrong one.
+SECOND_CACHE_YEARS = range(1971, 2200)
+
+
 def sqlite_event_values(batch: Sequence[NewEvent], expected_seq: int) -> list[Any]:
     """The per-row values of ``batch``'s ``events`` rows (offsets ``expected_seq ..``), row
     after row, in the order of :func:`events_insert`'s per-row columns (seq, type, schema
@@ -138,11 +145,13 @@ def sqlite_event_values(batch: Sequence[NewEvent], expected_seq: int) -> list[An
                 text = _iso(stamp)
             elif low <= (at := stamp.timestamp()) < high:
                 text = pattern % stamp.microsecond
-            elif stamp.year < 1971:
-                text = _iso(stamp)  # negative epoch seconds would floor the wrong way
+            elif stamp.year not in SECOND_CACHE_YEARS:
+                # Before 1971 negative epoch seconds floor the wrong way; from 2200 on,
+                # the float can round .999999 up into the next second.
+                text = _iso(stamp)
             else:
-                # Exact: the float's spacing at today's epoch seconds (~2e-7) is finer
-                # than 1 us, so no stamp of another second falls in [low, high).
+                # Exact: the float's spacing at these epoch seconds (< 2e-6) is fine
+                # enough that no stamp of another second falls in [low, high).
                 low = float(int(at))
                 high = low + 1.0
                 pattern = _iso(stamp)[:19] + ".%06d"

@@ -80,6 +80,14 @@ _STAMPS = st.one_of(
     st.datetimes(  # another zone: converted to UTC
         min_value=datetime(1971, 1, 2), timezones=st.just(timezone(timedelta(hours=5, minutes=30)))
     ),
+    # The last and first microseconds of two adjacent seconds, in years whose epoch
+    # seconds' floats are coarse (far future: .999999 can round up to the next second).
+    st.builds(
+        lambda year, second, us: datetime(year, 1, 1, 0, 0, second, us, tzinfo=UTC),
+        st.sampled_from([2026, 2106, 2199, 2200, 2243, 5000, 9998]),
+        st.integers(0, 1),
+        st.sampled_from([0, 1, 999_998, 999_999]),
+    ),
 )
 
 
@@ -115,4 +123,18 @@ def test_event_values_of_the_last_microsecond_of_a_second() -> None:
         "2026-12-03 11:59:59.000000",
         "2026-12-03 11:59:59.999999",
         "2026-12-03 12:00:00.000000",
+    ]
+
+
+@pytest.mark.parametrize("year", [2199, 2200, 2500, 9999])
+def test_event_values_across_a_second_in_a_far_future_year(year: int) -> None:
+    """From about 2242 on, the float of an epoch second's .999999 rounds up to the next
+    second: a stamp just after it must not be given the cached second (it was, in 9999:
+    ``00:00:00.000001`` for ``00:00:01.000001``)."""
+    late = datetime(year, 1, 1, 0, 0, 0, 999_999, tzinfo=UTC)
+    after = late + timedelta(microseconds=2)
+    batch = [NewEvent("T", 1, "{}", stamp, None) for stamp in (late, after)]
+    assert sqlite_event_values(batch, 1)[3::5] == [
+        f"{year}-01-01 00:00:00.999999",
+        f"{year}-01-01 00:00:01.000001",
     ]
