@@ -273,7 +273,7 @@ class MemoryEventStore:
             ]
         for rid, events, last in found:
             _check_ends(rid, events, last)
-            _check_offsets(rid, events, last)
+            _check_range(rid, events, 1, last, last)
 
     def add_indexer(self, indexer: Indexer) -> None:
         """See :meth:`EventStore.add_indexer`."""
@@ -349,24 +349,7 @@ class MemoryEventStore:
             run = self._runs[run_id]
             events, last = list(run.events), run.info.last_seq
         _check_ends(run_id, events, last)
-        lo, hi = max(1, from_seq), min(upto, last)
-        got = [e.seq for e in events if lo <= e.seq <= hi]
-        for expected, seq in zip(range(lo, hi + 1), got, strict=False):
-            if seq != expected:
-                kind = "duplicate" if seq < expected else "missing"
-                raise CorruptLogError(
-                    run_id,
-                    seq if kind == "duplicate" else expected,
-                    kind,
-                    f"offsets must run from 1 to last_seq = {last}",
-                )
-        if len(got) != hi - lo + 1 and hi >= lo:
-            kind, at = (
-                ("missing", lo + len(got))
-                if len(got) < hi - lo + 1
-                else ("duplicate", got[hi - lo + 1])
-            )
-            raise CorruptLogError(run_id, at, kind, f"offsets must run from 1 to last_seq = {last}")
+        _check_range(run_id, events, max(1, from_seq), min(upto, last), last)
 
     def put_payload(self, run_id: str, payload_id: str, kind: str, data: bytes) -> None:
         """Store a payload (idempotent by id)."""
@@ -385,17 +368,22 @@ class MemoryEventStore:
         return data
 
 
-def _check_offsets(run_id: str, events: list[StoredEvent], last: int) -> None:
-    """The rows must be offsets 1, 2, ... in order (the first wrong one is named)."""
-    for i, row in enumerate(events):
-        if row.seq != i + 1:
-            kind = "duplicate" if row.seq <= i else "missing"
-            raise CorruptLogError(
-                run_id,
-                row.seq if kind == "duplicate" else i + 1,
-                kind,
-                f"offsets must run from 1 to last_seq = {last}",
-            )
+def _check_range(run_id: str, events: list[StoredEvent], lo: int, hi: int, last: int) -> None:
+    """The rows with offsets in ``lo..hi`` must be exactly ``lo, lo + 1, .. hi`` in order
+    (the first wrong one is named)."""
+    if hi < lo:
+        return
+    got = [e.seq for e in events if lo <= e.seq <= hi]
+    why = f"offsets must run from 1 to last_seq = {last}"
+    for expected, seq in zip(range(lo, hi + 1), got, strict=False):
+        if seq != expected:
+            if seq < expected:
+                raise CorruptLogError(run_id, seq, "duplicate", why)
+            raise CorruptLogError(run_id, expected, "missing", why)
+    if len(got) < hi - lo + 1:
+        raise CorruptLogError(run_id, lo + len(got), "missing", why)
+    if len(got) > hi - lo + 1:
+        raise CorruptLogError(run_id, got[hi - lo + 1], "duplicate", why)
 
 
 def _check_ends(run_id: str, events: list[StoredEvent], last: int) -> None:
