@@ -310,3 +310,36 @@ def test_derived_rows_with_nulls_and_extreme_keys_round_trip(store: EventStore) 
     store.append("r1", alone, expected_seq=5, epoch=1)
     got = [(r[1], r[2], r[3]) for r in store.derived_rows("test_keys", "r1")]
     assert got == [(seq, *k) for seq, k in enumerate([*keys, (None, None)], start=1)]
+
+
+@pytest.mark.parametrize(
+    ("text", "instant"),
+    [
+        ("2026-12-03 11:59:59.123456", datetime(2026, 12, 3, 11, 59, 59, 123456, tzinfo=UTC)),
+        ("2026-12-03T11:59:59", datetime(2026, 12, 3, 11, 59, 59, tzinfo=UTC)),
+        ("2026-12-03 11:59:59.5+00:00", datetime(2026, 12, 3, 11, 59, 59, 500000, tzinfo=UTC)),
+    ],
+)
+def test_read_takes_any_iso_spelling_another_sqlite_writer_left(
+    db_url: str, raw_sql, text: str, instant: datetime
+) -> None:
+    """``read`` parses SQLite's stamps on its hot path as ``_iso`` writes them; text spelt
+    otherwise (another writer's, an older version's) takes the general parser: the same
+    instant, in UTC, as a StoredEvent."""
+    if not db_url.startswith("sqlite"):
+        pytest.skip("SQLite stores the stamp as text; PostgreSQL as timestamptz")
+    with EventStore.open(db_url) as store:
+        store.create_run("r1")
+        store.append("r1", [NewEvent("A", 1, "{}", T0)], expected_seq=1, epoch=1)
+        raw_sql("UPDATE events SET recorded_at = :t WHERE run_id = 'r1' AND seq = 1", {"t": text})
+        (row,) = list(store.read("r1"))
+    assert type(row) is StoredEvent
+    assert row.recorded_at == instant and row.recorded_at.utcoffset() == timedelta(0)
+    assert (row.run_id, row.seq, row.epoch, row.type, row.schema_version, row.payload) == (
+        "r1",
+        1,
+        1,
+        "A",
+        1,
+        "{}",
+    )
