@@ -413,8 +413,8 @@ class RolloutController:
                 f"offset {offset} is outside run {run_id!r}, whose log holds 1..{info.last_seq}"
             )
         _check_fingerprint(info, rollout, dataset_fingerprint, force)
-        threads = (store_config or StoreConfig()).log_check_threads
-        result = replay(store, run_id, offset, check_threads=threads)
+        cfg = store_config or StoreConfig()
+        result = replay(store, run_id, offset, check_threads=cfg.log_check_threads)
         timings["load_snapshot"] = result.load_seconds
         timings["replay"] = result.replay_seconds
         timings["log_check"] = result.log_check_seconds
@@ -438,7 +438,7 @@ class RolloutController:
             run_id,
             expected_epoch=info.current_epoch,
             resume_seq=offset,
-            lock_timeout_s=(store_config or StoreConfig()).takeover_timeout_s,
+            lock_timeout_s=cfg.takeover_timeout_s,
         )
         ctl = cls(store, state, run_id=run_id, epoch=epoch, store_config=store_config, clock=clock)
         with ctl._abandon_on_error():

@@ -773,7 +773,7 @@ class EventStore:
         parse_ts = _parse_ts
         fromiso = datetime.fromisoformat
         # StoredEvent's fields without its Python-level __new__ (the same named tuple,
-        # built by tuple's C constructor: ~0.25 us less per row, 5% of read + decode).
+        # built by tuple's C constructor: ~0.25 us less per row; docs/benchmarks.md).
         new_row = tuple.__new__
         first_page = True
         while True:
