@@ -117,6 +117,8 @@ class EventCodec:
         # Per class, for encode_many: (type name, schema version, plain_fields(cls),
         # pydantic's serialiser).
         self._writers: dict[type, tuple[str, int, bool, Callable[[Any], bytes]]] = {}
+        # Per type name, for decode's hot path: (schema version, pydantic's JSON validator).
+        self._readers: dict[str, tuple[int, Callable[[str], Any]]] = {}
 
     def register(self, cls: E) -> E:
         """Register an event class (usable as a decorator)."""
@@ -126,6 +128,7 @@ class EventCodec:
         if name in self._types and self._types[name] is not cls:
             raise TypeError(f"event type {name!r} is already registered")
         self._types[name] = cls
+        self._readers[name] = (cls.schema_version, cls.__pydantic_validator__.validate_json)
         self._writers[cls] = (
             name,
             cls.schema_version,
@@ -211,16 +214,29 @@ class EventCodec:
         Raises :class:`UnknownEventTypeError`, :class:`NewerSchemaVersionError` or
         :class:`CorruptEventError`, each naming the offset.
         """
+        reader = self._readers.get(row.type)
+        if reader is not None and row.schema_version == reader[0]:
+            # The read hot path, a row of the current schema version: what
+            # cls.model_validate_json(payload) runs, minus its Python wrapper (validators
+            # and model config apply the same), and no other lookup.
+            try:
+                return reader[1](row.payload)  # type: ignore[no-any-return]
+            except ValidationError as exc:
+                raise _invalid(row, exc) from exc
+            except RecursionError as exc:
+                raise _too_deep(row) from exc
+        return self._decode_checked(row)
+
+    def _decode_checked(self, row: StoredEvent) -> EventModel:
+        """:meth:`decode` of a row the hot path does not take: an unknown type, a newer
+        or an older schema version (upcast here), each error naming the offset."""
         cls = self._types.get(row.type)
         if cls is None:
             raise UnknownEventTypeError(row.seq, row.type, row.schema_version)
         if row.schema_version > cls.schema_version:
             raise NewerSchemaVersionError(row.seq, row.type, row.schema_version, cls.schema_version)
+        # The current version took decode's hot path: this row is older, to upcast.
         try:
-            if row.schema_version == cls.schema_version:
-                # What cls.model_validate_json(payload) runs, minus its Python wrapper
-                # (the read hot path; validators and model config apply the same).
-                return cls.__pydantic_validator__.validate_json(row.payload)  # type: ignore[no-any-return]
             data = json.loads(row.payload)
             if not isinstance(data, dict):
                 raise CorruptEventError(row.seq, row.type, "payload is not a JSON object")
@@ -243,13 +259,21 @@ class EventCodec:
                     ) from exc
             return cls.model_validate(data)
         except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first.get("loc", ())) or "payload"
-            raise CorruptEventError(row.seq, row.type, f"{where}: {first['msg']}") from exc
+            raise _invalid(row, exc) from exc
         except json.JSONDecodeError as exc:
             raise CorruptEventError(row.seq, row.type, f"invalid JSON: {exc}") from exc
         except RecursionError as exc:
             # json.loads (the upcasting path) recurses once per nesting level.
-            raise CorruptEventError(
-                row.seq, row.type, "payload nests too deeply to decode (invalid JSON)"
-            ) from exc
+            raise _too_deep(row) from exc
+
+
+def _invalid(row: StoredEvent, exc: ValidationError) -> CorruptEventError:
+    """The error for a payload pydantic rejects: its first complaint, at the offset."""
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first.get("loc", ())) or "payload"
+    return CorruptEventError(row.seq, row.type, f"{where}: {first['msg']}")
+
+
+def _too_deep(row: StoredEvent) -> CorruptEventError:
+    """The error for a payload nested past the parser's recursion limit."""
+    return CorruptEventError(row.seq, row.type, "payload nests too deeply to decode (invalid JSON)")

@@ -56,7 +56,9 @@ DEFAULT_BUSY_TIMEOUT_MS = 30_000
 
 _COLS = "run_id, seq, epoch, type, schema_version, recorded_at, payload"
 # Read in the field order of StoredEvent, so a page's tuples unpack straight into it.
-_READ_COLS = "run_id, seq, epoch, type, schema_version, payload, recorded_at"
+#: StoredEvent's fields after ``run_id`` (which :meth:`EventStore.read` already holds: not
+#: fetched, one string object less per row).
+_READ_COLS = "seq, epoch, type, schema_version, payload, recorded_at"
 
 
 def normalise_url(url: str | URL) -> URL:
@@ -787,8 +789,8 @@ class EventStore:
                 if nxt > upper:
                     break
                 rows = self._fetch_tuples(conn, self._read_sql, (run_id, nxt, upper, page_size))
-            # Columns come in StoredEvent's field order (see _READ_COLS).
-            for run, seq, epoch, type_, version, payload, ts in rows:
+            # Columns come in StoredEvent's field order, after run_id (see _READ_COLS).
+            for seq, epoch, type_, version, payload, ts in rows:
                 if seq != expected:
                     self._raise_gap(run_id, expected, seq, last)
                 expected += 1
@@ -800,10 +802,10 @@ class EventStore:
                         stamp = parse_ts(ts)
                 else:
                     stamp = parse_ts(ts)
-                yield new_row(StoredEvent, (run, seq, epoch, type_, version, payload, stamp))
+                yield new_row(StoredEvent, (run_id, seq, epoch, type_, version, payload, stamp))
             if len(rows) < page_size:
                 break
-            nxt = rows[-1][1] + 1
+            nxt = rows[-1][0] + 1
         if expected <= upper:
             self._raise_gap(run_id, expected, None, last)
 

@@ -241,6 +241,9 @@ def test_newer_schema_version(store, raw_sql) -> None:
             '{"ref": "1:2", "target_step": "x", "reward": 1, "tokens": 1}',
             "target_step",
         ),
+        # Nested past either parser's limit: pydantic's (current version), json's (upcast).
+        ("StepDone", 1, '{"step": 1, "groups": ' + "[" * 100_000 + "]" * 100_000 + "}", "JSON"),
+        ("SiblingDone", 1, '{"ref": ' + "[" * 100_000 + "]" * 100_000 + "}", "too deeply"),
     ],
 )
 def test_corrupt_rows_name_their_offset(store, raw_sql, type_, version, payload, reason) -> None:
