@@ -41,7 +41,13 @@ from .errors import (
 )
 from .history import history_segments, read_history
 from .indexing import Indexer, check_indexer
-from .pg_append import DerivedTable, PgAppendStatement
+from .pg_append import (
+    REFUSED_SQLSTATE,
+    DerivedTable,
+    PgAppendStatement,
+    pg_chunk_events,
+    pg_connect_url,
+)
 from .records import NewEvent, PayloadPut, RunInfo, Snapshot, StoredEvent
 from .schema import compactions, epochs, events, payloads, runs, snapshots
 
@@ -80,6 +86,7 @@ def normalise_url(url: str | URL) -> URL:
             or parsed.get_driver_name() == "psycopg2"
         ):
             parsed = parsed.set(drivername="postgresql+psycopg")
+        pg_chunk_events(parsed)  # a bad value fails the open, naming it
     elif backend == "sqlite":
         if parsed.get_driver_name() != "pysqlite":
             parsed = parsed.set(drivername="sqlite")
@@ -235,6 +242,7 @@ class EventStore:
         # types of the derived tables it writes.
         self._pg_append = PgAppendStatement()
         self._pg_append_engine: Engine | None = None
+        self._pg_chunk = 0 if self._is_sqlite else pg_chunk_events(url)
         self._derived_types: dict[str, DerivedTable] = {}
         self._cas_sql = (
             f"UPDATE runs SET last_seq = {mark} "
@@ -511,21 +519,104 @@ class EventStore:
         payload_puts: Sequence[PayloadPut],
         lock_timeout_s: float | None,
     ) -> None:
-        """The append as one statement, one round trip (see pg_append.py)."""
-        derived_rows = [ix.rows(run_id, expected_seq, batch) for ix, _ in self._indexers]
+        """The append in one round trip: one statement, or a pipeline of statements of
+        ``append_chunk_events`` events each for a larger batch (see pg_append.py)."""
         with self._pg_appender().connect() as conn:
             tables = self._derived_tables(conn)
-            sql, params = self._pg_append.statement(
-                run_id, expected_seq, epoch, batch, payload_puts, derived_rows, tables
-            )
             # Autocommit: a session setting, kept per pooled connection of this engine
             # (which only appends use), so set only when it changes.
             wanted = "0" if lock_timeout_s is None else f"{max(1, round(lock_timeout_s * 1000))}ms"
             if conn.info.get("rolloutlog_lock_timeout") != wanted:
                 conn.exec_driver_sql(f"SET lock_timeout = '{wanted}'")
                 conn.info["rolloutlog_lock_timeout"] = wanted
+            if self._pg_chunk and len(batch) > self._pg_chunk:
+                self._append_pg_pipeline(
+                    conn, run_id, batch, expected_seq, epoch, payload_puts, tables
+                )
+                return
+            derived_rows = [ix.rows(run_id, expected_seq, batch) for ix, _ in self._indexers]
+            sql, params = self._pg_append.statement(
+                run_id, expected_seq, epoch, batch, payload_puts, derived_rows, tables
+            )
             if conn.exec_driver_sql(sql, params).first() is None:
                 self._raise_append_refusal(conn, run_id, expected_seq, epoch)
+
+    def _append_pg_pipeline(
+        self,
+        conn: Connection,
+        run_id: str,
+        batch: Sequence[NewEvent],
+        expected_seq: int,
+        epoch: int,
+        payload_puts: Sequence[PayloadPut],
+        tables: Sequence[DerivedTable],
+    ) -> None:
+        """BEGIN, head, chunks, tail, COMMIT in one pipeline: each chunk's parameters are
+        built while the server inserts the one before (pg_append.py says why)."""
+        import psycopg
+
+        chunk = self._pg_chunk
+        build = self._pg_append
+        last = expected_seq + len(batch) - 1
+        driver: Any = conn.connection.driver_connection
+        failed: psycopg.Error | None = None
+        try:
+            with driver.pipeline():
+                try:
+                    driver.execute("BEGIN")
+                    sql, params = build.head(
+                        run_id, expected_seq, epoch, last, batch[:chunk], payload_puts
+                    )
+                    driver.execute(sql, params)
+                    for start in range(chunk, len(batch), chunk):
+                        part = batch[start : start + chunk]
+                        driver.execute(*build.chunk(run_id, expected_seq + start, epoch, part))
+                    rows = [ix.rows(run_id, expected_seq, batch) for ix, _ in self._indexers]
+                    driver.execute(*build.tail(run_id, last, rows, tables))
+                    driver.execute("COMMIT")
+                except psycopg.Error as exc:
+                    # An earlier statement's error, already read back: send nothing more
+                    # and let the pipeline end (its sync then reports it aborted).
+                    failed = exc
+        except psycopg.Error as exc:
+            failed = failed or exc
+        except BaseException:
+            # Not the database's error (a bad derived row, an interrupt): nothing of the
+            # batch may stay in an open transaction on a pooled connection.
+            self._drop_failed_pipeline(conn)
+            raise
+        if failed is None:
+            return
+        invalidated = self._drop_failed_pipeline(conn)
+        if failed.sqlstate == REFUSED_SQLSTATE:
+            with self.engine.connect() as check:
+                self._raise_append_refusal(check, run_id, expected_seq, epoch)
+        # As SQLAlchemy would have wrapped it, for _translate_errors and _lock_timeouts.
+        raise DBAPIError.instance(
+            f"the pipelined append of offsets {expected_seq}..{last}",
+            None,
+            failed,
+            psycopg.Error,
+            connection_invalidated=invalidated,
+            dialect=conn.dialect,
+        ) from failed
+
+    @staticmethod
+    def _drop_failed_pipeline(conn: Connection) -> bool:
+        """Close the connection of a pipeline that failed, and return whether it was
+        broken already (the server was lost).
+
+        Not a ROLLBACK and back to the pool: psycopg prepares a statement it has run a few
+        times by sending its Parse in the pipeline, and when the pipeline aborts before
+        the server reaches that Parse, psycopg still counts it as prepared (the next use
+        fails with "prepared statement _pg3_N does not exist"). Closing forgets both; the
+        server rolls back the open transaction when the session ends. A failed append is
+        rare (a fenced or conflicting writer, a lost server), a new connection cheap.
+        """
+        driver: Any = conn.connection.driver_connection
+        broken = bool(driver is None or driver.broken or driver.closed)
+        conn.invalidate()
+        return broken
 
     def _pg_appender(self) -> Engine:
         """PostgreSQL: the engine appends use: autocommit, no ping before each checkout
@@ -1143,9 +1234,10 @@ def _make_engine(url: URL, *, readonly: bool, append_only: bool = False) -> Engi
             connect_args["application_name"] = name[:63]
         if readonly:
             connect_args["options"] = "-c default_transaction_read_only=on"
+        url = pg_connect_url(url)
         if append_only:
             # One writer thread per run appends: a small pool, autocommit (each append is
-            # one statement), and no ping round trip before each append.
+            # one statement or one pipeline), and no ping round trip before each append.
             return sa.create_engine(
                 url,
                 pool_pre_ping=False,

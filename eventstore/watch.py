@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .errors import StoreUnavailableError
-from .pg_append import CHANNEL, parse_notify
+from .pg_append import CHANNEL, parse_notify, pg_connect_url
 
 if TYPE_CHECKING:
     from .store import EventStore
@@ -92,7 +92,7 @@ def _listen(store: EventStore) -> Any:
         dbname=url.database,
         autocommit=True,
         connect_timeout=10,
-        **{"application_name": "rolloutlog append watcher", **dict(url.query)},
+        **{"application_name": "rolloutlog append watcher", **dict(pg_connect_url(url).query)},
     )
     conn.execute(f"LISTEN {CHANNEL}")
     return conn

@@ -248,8 +248,8 @@ def test_postgresql_mode_compares_with_raw_copy_and_measures_tail_latency(pg_url
     result = run_pg_store_benchmark(pg_url, events=2_000, batch=500, repeat=2)
     systems = result["systems"]
     assert set(systems) == {
-        "raw_copy", "rolloutlog", "rolloutlog_indexed", "rows_built", "group_commit",
-        "process_commit",
+        "raw_copy", "rolloutlog", "rolloutlog_indexed", "rolloutlog_one_statement",
+        "rows_built", "group_commit", "process_commit",
     }  # fmt: skip
     assert all(m["append_events"] == 2_000 for m in systems.values())
     ratios = result["ratios"]
@@ -271,6 +271,17 @@ def test_postgresql_mode_compares_with_raw_copy_and_measures_tail_latency(pg_url
             )
         ]
         assert min(paired) - 2e-3 <= ratios[f"{ratio}_paired_median"] <= max(paired) + 2e-3
+    # Batches of 500: pipelined (250 per statement) against one statement each.
+    pipelined = [
+        a / b
+        for a, b in zip(
+            systems["rolloutlog"]["append_eps_samples"],
+            systems["rolloutlog_one_statement"]["append_eps_samples"],
+            strict=True,
+        )
+    ]
+    gain = ratios["append_pipelined_vs_one_statement_paired_median"]
+    assert min(pipelined) - 2e-3 <= gain <= max(pipelined) + 2e-3
     for system in ("group_commit", "process_commit"):
         assert systems[system]["transactions"] >= 4  # at most 500 per transaction
     # Every append woke the listener (4 appends per rolloutlog system run, 2 runs).

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy.dialects import sqlite as sqlite_dialect
+from sqlalchemy.engine import make_url
 from sqlalchemy.schema import CreateIndex, CreateTable
 
 from rolloutlog.controller.domain.events import CODEC, SiblingCompleted, SiblingDispatched
@@ -1566,12 +1567,19 @@ def run_pg_store_benchmark(
         "raw_copy": [],
         "rolloutlog": [],
         "rolloutlog_indexed": [],
+        "rolloutlog_one_statement": [],
         "rows_built": [],
         "group_commit": [],
         "process_commit": [],
     }
     latencies: list[tuple[float, float]] = []
-    with EventStore.open(url) as plain, EventStore.open(url) as indexed:
+    # The same append with every batch as one statement (no pipeline): what it gains.
+    unpiped = make_url(url).update_query_dict({"append_chunk_events": "0"})
+    with (
+        EventStore.open(url) as plain,
+        EventStore.open(url) as indexed,
+        EventStore.open(unpiped) as one_statement,
+    ):
         _pg_vacuum(plain)  # start beside no dead rows of earlier runs
         for r in range(repeat):
             say(f"round {r + 1}/{repeat}")
@@ -1581,6 +1589,8 @@ def run_pg_store_benchmark(
             latencies += lat
             m, _ = bench_pg_rolloutlog(indexed, specs, batch=batch, with_index=True)
             samples["rolloutlog_indexed"].append(m)
+            m, _ = bench_pg_rolloutlog(one_statement, specs, batch=batch, with_index=False)
+            samples["rolloutlog_one_statement"].append(m)
             samples["rows_built"].append(bench_pg_rows_built(plain, specs, batch=batch))
             samples["group_commit"].append(bench_pg_group_commit(plain, specs, batch=batch))
             samples["process_commit"].append(
@@ -1620,6 +1630,10 @@ def run_pg_store_benchmark(
         ),
         "process_commit_vs_raw_copy_paired_median": _paired_median(
             samples["process_commit"], samples["raw_copy"]
+        ),
+        # What the pipelined append gains over one statement per batch.
+        "append_pipelined_vs_one_statement_paired_median": _paired_median(
+            samples["rolloutlog"], samples["rolloutlog_one_statement"]
         ),
     }
     met = {

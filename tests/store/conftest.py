@@ -19,6 +19,7 @@ import pytest
 import sqlalchemy as sa
 
 from rolloutlog.eventstore import EventStore, EventStoreProtocol, MemoryEventStore
+from rolloutlog.eventstore.pg_append import pg_connect_url
 
 _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:
@@ -27,14 +28,24 @@ if _HERE not in sys.path:
 from storetest_helpers import MEMORY_URL, skip_if_memory  # noqa: E402
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres), "memory"])
+@pytest.fixture(
+    params=[
+        "sqlite",
+        pytest.param("postgres", marks=pytest.mark.postgres),
+        pytest.param("postgres_pipelined", marks=pytest.mark.postgres),
+        "memory",
+    ]
+)
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """Each store test runs on a SQLite file, on PostgreSQL and on the memory store."""
+    """Each store test runs on a SQLite file, on PostgreSQL, on PostgreSQL with every
+    append of more than two events pipelined (``append_chunk_events=2``: the path of
+    batches over 250 events, on the contract's small batches) and on the memory store."""
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'log.db'}"
     if request.param == "memory":
         return MEMORY_URL
-    return str(request.getfixturevalue("pg_url"))
+    url = str(request.getfixturevalue("pg_url"))
+    return f"{url}?append_chunk_events=2" if request.param == "postgres_pipelined" else url
 
 
 @pytest.fixture
@@ -83,7 +94,7 @@ def raw_sql(db_url: str) -> Iterator[Callable[..., list[tuple]]]:
     rows of a SELECT (else ``[]``). Parameters use SQLAlchemy's ``:name`` style.
     """
     skip_if_memory(db_url, "raw SQL behind the store's back")
-    engine = sa.create_engine(db_url)
+    engine = sa.create_engine(pg_connect_url(sa.engine.make_url(db_url)))
 
     def _run(sql: str, params: dict[str, object] | None = None) -> list[tuple]:
         with engine.begin() as conn:

@@ -31,7 +31,7 @@ def test_a_plain_batch_goes_as_packed_text() -> None:
     micros = [int(ts.timestamp()) * 10**6 + ts.microsecond for ts in (T, batch[1].recorded_at)]
     assert params["stamps"] == f"{micros[0]},{micros[1]}" and micros[1] < 0
     assert "packed" not in params  # not a statement parameter
-    assert (params["prev"], params["last"]) == (4, 6)
+    assert (params["expected_last"], params["first_prev"], params["last"]) == (4, 4, 6)
 
 
 @pytest.mark.parametrize(

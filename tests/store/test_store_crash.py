@@ -21,6 +21,7 @@ import sqlalchemy as sa
 from storetest_helpers import REPO_ROOT, worker_cmd
 
 from rolloutlog.eventstore import EventStore
+from rolloutlog.eventstore.pg_append import pg_connect_url
 
 BATCH = 300
 PAD = 400  # bytes of padding per event: ~120 KB per transaction
@@ -77,7 +78,7 @@ def _kill_rounds(url: str, rounds: int, seed: int, tmp: Path) -> list[tuple[int,
         acks = _run_and_kill(url, rng, tmp / f"writer-{round_no}.err")
         with EventStore.open(url) as store:
             last = store.last_seq("crash")
-            engine = sa.create_engine(url)
+            engine = sa.create_engine(pg_connect_url(sa.engine.make_url(url)))
             with engine.connect() as conn:
                 count = conn.execute(
                     sa.text("SELECT COUNT(*) FROM events WHERE run_id = 'crash'")
@@ -108,6 +109,8 @@ def test_sigkill_never_tears_a_batch_sqlite(sqlite_url: str, tmp_path: Path) -> 
 
 @pytest.mark.slow
 @pytest.mark.postgres
-def test_sigkill_never_tears_a_batch_postgres(pg_url: str, tmp_path: Path) -> None:
-    history = _kill_rounds(pg_url, rounds=3, seed=7, tmp=tmp_path)
+@pytest.mark.parametrize("chunk", [0, 250, 7], ids=["one-statement", "pipeline-2", "pipeline-43"])
+def test_sigkill_never_tears_a_batch_postgres(pg_url: str, tmp_path: Path, chunk: int) -> None:
+    # A batch of 300 events as one statement, or pipelined in 2 or 43 statements.
+    history = _kill_rounds(f"{pg_url}?append_chunk_events={chunk}", rounds=3, seed=7, tmp=tmp_path)
     assert history[-1][1] >= 3 * BATCH
