@@ -43,7 +43,8 @@ from typing import Any
 
 from sqlalchemy.engine.url import URL
 
-from .errors import StoreError, StoreUrlError
+from .errors import StoreError
+from .url_options import whole_number_option
 
 #: The LISTEN/NOTIFY channel of appends; the payload is ``"<last_seq> <run_id>"``.
 CHANNEL = "rolloutlog_appends"
@@ -109,16 +110,9 @@ def parse_notify(payload: str) -> tuple[str, int] | None:
 def pg_chunk_events(url: URL) -> int:
     """The ``append_chunk_events`` of a PostgreSQL URL (see :data:`PG_URL_OPTIONS`)."""
     raw = url.query.get("append_chunk_events", DEFAULT_CHUNK_EVENTS)
-    try:
-        chunk = int(str(raw))
-    except ValueError:
-        chunk = -1
-    if chunk < 0:
-        raise StoreUrlError(
-            f"append_chunk_events={raw!r} in {url.render_as_string(hide_password=True)}: "
-            "a whole number of events >= 0 (0: every append is one statement)"
-        )
-    return chunk
+    return whole_number_option(
+        url, raw, "append_chunk_events", "events (0: every append is one statement)"
+    )
 
 
 def pg_connect_url(url: URL) -> URL:

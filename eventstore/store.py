@@ -50,6 +50,7 @@ from .pg_append import (
 )
 from .records import NewEvent, PayloadPut, RunInfo, Snapshot, StoredEvent
 from .schema import compactions, epochs, events, payloads, runs, snapshots
+from .url_options import whole_number_option
 
 #: SQLite ``synchronous`` levels accepted in the URL query (``?synchronous=NORMAL``).
 SQLITE_SYNCHRONOUS = ("OFF", "NORMAL", "FULL", "EXTRA")
@@ -1265,14 +1266,7 @@ def _make_sqlite_engine(url: URL, *, readonly: bool) -> Engine:
             f"synchronous={sync!r} in {url!s}: choose one of {', '.join(SQLITE_SYNCHRONOUS)}"
         )
     raw_busy = query.pop("busy_timeout_ms", DEFAULT_BUSY_TIMEOUT_MS)
-    try:
-        busy_ms = int(str(raw_busy))
-    except ValueError:
-        busy_ms = -1
-    if busy_ms < 0:
-        raise StoreUrlError(
-            f"busy_timeout_ms={raw_busy!r} in {url!s}: a whole number of milliseconds >= 0"
-        )
+    busy_ms = whole_number_option(url, raw_busy, "busy_timeout_ms", "milliseconds")
     if query:
         raise StoreUrlError(f"unknown SQLite URL options {sorted(query)} in {url!s}")
     path = Path(url.database or "")
