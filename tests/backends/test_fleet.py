@@ -296,9 +296,11 @@ def test_sigkill_one_vllm_engine_then_restart_and_refit(
 
         async def kill_with_requests_in_flight() -> list[Any]:
             nonlocal killed
-            tasks = [asyncio.ensure_future(timed(g)) for g in range(6)]
+            # Twelve groups of four long siblings: engine-1 holds several at once. Killed
+            # as soon as it holds one (no grace period: a sleep here once let engine-1
+            # finish everything it held first, and nothing was in flight to fail).
+            tasks = [asyncio.ensure_future(timed(g)) for g in range(12)]
             await until(lambda: victim.backend.outstanding > 0, 30, "requests on engine-1")
-            await asyncio.sleep(0.2)
             launcher.kill("engine-1", signal.SIGKILL)
             killed = True
             return list(await asyncio.gather(*tasks, return_exceptions=True))
