@@ -15,7 +15,8 @@ import os
 import socket
 import sqlite3
 from collections.abc import Iterator, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -113,11 +114,11 @@ def _iso(ts: datetime) -> str:
     return ts.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
 
 
-#: The years whose stamps :func:`sqlite_event_values` may give a cached second: the float
-#: of an epoch second below 2**33 (the year 2242) is spaced under 2 us, so rounding (half
-#: a spacing) never carries a stamp's .999999 into the next second; before 1971 the
-#: seconds are negative and int() truncates toward the wrong one.
-SECOND_CACHE_YEARS = range(1971, 2200)
+#: Stamps whose second :func:`sqlite_event_values` may cache: :func:`_iso` writes them in
+#: the fixed-width hot-path form, and the next second exists (9999-12-31 23:59:59 has none).
+SECOND_CACHE_YEARS = range(1000, 9999)
+_SECOND = timedelta(seconds=1)
+_NO_SECOND = datetime.min.replace(tzinfo=UTC)
 
 
 def sqlite_event_values(batch: Sequence[NewEvent], expected_seq: int) -> list[Any]:
@@ -128,9 +129,10 @@ def sqlite_event_values(batch: Sequence[NewEvent], expected_seq: int) -> list[An
 
     The append hot path. Columns are laid in by slice assignment (C loops); the one Python
     loop is the timestamps': one is formatted once per distinct object (a command's
-    events share one), its "YYYY-MM-DD HH:MM:SS" part once per distinct second (a float
-    comparison tells a stamp in the same second) with the microseconds put in by ``%``,
-    a third of :func:`_iso`'s time.
+    events share one), its "YYYY-MM-DD HH:MM:SS" part once per distinct second with the
+    microseconds put in by ``%``, a third of :func:`_iso`'s time. A stamp is in the
+    cached second when it compares within ``[low, high)``: two UTC datetimes compare
+    field by field, exactly and in any year, and faster than ``timestamp()``.
     """
     n = len(batch)
     out: list[Any] = [None] * (5 * n)
@@ -145,25 +147,21 @@ def sqlite_event_values(batch: Sequence[NewEvent], expected_seq: int) -> list[An
     append = texts.append
     last: datetime | None = None
     text = ""
-    # [low, high): the epoch seconds that `pattern` (a second's text) is right for.
-    low = high = 0.0
+    # [low, high): the stamps that `pattern` (a second's text) is right for; none yet.
+    low = high = _NO_SECOND
     pattern = ""
     for stamp in stamps:
         if stamp is not last:
             last = stamp
             if stamp.tzinfo is not UTC:
                 text = _iso(stamp)
-            elif low <= (at := stamp.timestamp()) < high:
+            elif low <= stamp < high:
                 text = pattern % stamp.microsecond
             elif stamp.year not in SECOND_CACHE_YEARS:
-                # Before 1971 negative epoch seconds floor the wrong way; from 2200 on,
-                # the float can round .999999 up into the next second.
                 text = _iso(stamp)
             else:
-                # Exact: the float's spacing at these epoch seconds (< 2e-6) is fine
-                # enough that no stamp of another second falls in [low, high).
-                low = float(int(at))
-                high = low + 1.0
+                low = stamp.replace(microsecond=0)
+                high = low + _SECOND
                 pattern = _iso(stamp)[:19] + ".%06d"
                 text = pattern % stamp.microsecond
         append(text)
@@ -184,7 +182,7 @@ def derived_insert(table: str, columns: Sequence[str]) -> MultiRowInsert:
 def derived_values(table: str, run_id: str, rows: Sequence[tuple[Any, ...]]) -> list[Any]:
     """The per-row values of an indexer's ``rows`` for :func:`derived_insert` (their first
     column, the run id, dropped: each row must name ``run_id``)."""
-    flat = [value for row in rows for value in row]
+    flat = list(chain.from_iterable(rows))
     width = len(rows[0]) if rows else 1
     if flat[::width].count(run_id) != len(rows) or len(flat) != width * len(rows):
         raise StoreError(

@@ -114,7 +114,8 @@ def test_event_values_are_the_rows_columns_with_timestamps_as_iso_writes_them(
 
 
 def test_event_values_of_the_last_microsecond_of_a_second() -> None:
-    """A stamp a microsecond before the next second keeps its second (the float check)."""
+    """A stamp a microsecond before the next second keeps its second, the next one is the
+    next second's (the cached second's bounds)."""
     early = datetime(2026, 12, 3, 11, 59, 59, 0, tzinfo=UTC)
     late = early.replace(microsecond=999_999)
     after = late + timedelta(microseconds=1)
@@ -126,11 +127,11 @@ def test_event_values_of_the_last_microsecond_of_a_second() -> None:
     ]
 
 
-@pytest.mark.parametrize("year", [2199, 2200, 2500, 9999])
-def test_event_values_across_a_second_in_a_far_future_year(year: int) -> None:
-    """From about 2242 on, the float of an epoch second's .999999 rounds up to the next
-    second: a stamp just after it must not be given the cached second (it was, in 9999:
-    ``00:00:00.000001`` for ``00:00:01.000001``)."""
+@pytest.mark.parametrize("year", [1000, 1969, 2199, 2200, 2500, 9998, 9999])
+def test_event_values_across_a_second_in_a_far_year(year: int) -> None:
+    """Any year: a stamp just after a second's .999999 is not given the cached second (it
+    was, in 9999, while the cache compared float epoch seconds: ``00:00:00.000001`` for
+    ``00:00:01.000001``), and the last second of 9999 (no next second) is written too."""
     late = datetime(year, 1, 1, 0, 0, 0, 999_999, tzinfo=UTC)
     after = late + timedelta(microseconds=2)
     batch = [NewEvent("T", 1, "{}", stamp, None) for stamp in (late, after)]
@@ -138,3 +139,13 @@ def test_event_values_across_a_second_in_a_far_future_year(year: int) -> None:
         f"{year}-01-01 00:00:00.999999",
         f"{year}-01-01 00:00:01.000001",
     ]
+
+
+def test_event_values_of_the_last_second_of_year_9999_and_before_year_1000() -> None:
+    """The stamps the second cache leaves to :func:`_iso`: the last second there is, and
+    years :func:`_iso` writes by ``strftime``."""
+    last = datetime(9999, 12, 31, 23, 59, 59, 999_998, tzinfo=UTC)
+    old = datetime(999, 5, 1, 0, 0, 0, 1, tzinfo=UTC)
+    stamps = [last, last + timedelta(microseconds=1), old, old + timedelta(microseconds=1)]
+    batch = [NewEvent("T", 1, "{}", stamp, None) for stamp in stamps]
+    assert sqlite_event_values(batch, 1)[3::5] == [_iso(stamp) for stamp in stamps]
