@@ -51,6 +51,7 @@ from .pg_append import (
 )
 from .records import NewEvent, PayloadPut, RunInfo, Snapshot, StoredEvent
 from .schema import compactions, epochs, events, payloads, runs, snapshots
+from .sqlite_writer import Execute, SqliteWriter
 from .url_options import whole_number_option
 
 #: SQLite ``synchronous`` levels accepted in the URL query (``?synchronous=NORMAL``).
@@ -243,10 +244,18 @@ class EventStore:
         self._pg_append_engine: Engine | None = None
         self._pg_chunk = 0 if self._is_sqlite else pg_chunk_events(url)
         self._derived_types: dict[str, DerivedTable] = {}
+        # SQLite: the connection appends use, without SQLAlchemy (sqlite_writer.py).
+        self._sqlite_writer = (
+            SqliteWriter(engine, wait_s=sqlite_busy_timeout_ms(url) / 1000)
+            if self._is_sqlite
+            else None
+        )
         self._cas_sql = (
             f"UPDATE runs SET last_seq = {mark} "
             f"WHERE run_id = {mark} AND last_seq = {mark} AND current_epoch = {mark}"
         )
+        # The run's epoch and newest offset: what a refused append reports.
+        self._run_position_sql = f"SELECT current_epoch, last_seq FROM runs WHERE run_id = {mark}"
         self._read_sql = (
             f"SELECT {_READ_COLS} FROM events WHERE run_id = {mark} AND seq >= {mark} "
             f"AND seq <= {mark} ORDER BY seq LIMIT {mark}"
@@ -297,7 +306,9 @@ class EventStore:
         return store
 
     def close(self) -> None:
-        """Release every pooled connection."""
+        """Release every pooled connection (and the appends' own, on SQLite)."""
+        if self._sqlite_writer is not None:
+            self._sqlite_writer.close()
         self.engine.dispose()
         if self._pg_append_engine is not None:
             self._pg_append_engine.dispose()
@@ -350,9 +361,13 @@ class EventStore:
                         run_id=run_id, epoch=epoch, opened_at=now, resume_seq=0, first_seq=1
                     )
                 )
-                self._insert_payloads(conn, run_id, payload_puts)
-                self._insert_events(conn, run_id, first_events, 1, epoch)
-                self._insert_derived(conn, run_id, 1, first_events)
+                if self._is_sqlite:
+                    execute = _sa_execute(conn)
+                    self._write_rows(execute, run_id, first_events, 1, epoch, payload_puts)
+                else:
+                    self._insert_payloads_pg(conn, run_id, payload_puts)
+                    self._insert_events_pg(conn, run_id, first_events, 1, epoch)
+                    self._insert_derived_pg(conn, run_id, first_events)
         except IntegrityError as exc:
             raise RunExistsError(f"run {run_id!r} already exists") from exc
         return self.get_run(run_id)
@@ -492,21 +507,24 @@ class EventStore:
             with self._translate_errors(doing), self._lock_timeouts(run_id, doing, lock_timeout_s):
                 self._append_pg(run_id, batch, expected_seq, epoch, payload_puts, lock_timeout_s)
             return last
-        with self._translate_errors(doing), self._lock_timeouts(run_id, doing, lock_timeout_s):
-            with self._writer.begin() as conn:
-                self._set_lock_timeout(conn, lock_timeout_s)
-                if batch:
-                    res = conn.exec_driver_sql(
-                        self._cas_sql, (last, run_id, expected_seq - 1, epoch)
-                    )
-                    if res.rowcount != 1:
-                        self._raise_append_refusal(conn, run_id, expected_seq, epoch)
-                else:
-                    # A payload-only put still has to respect fencing.
-                    self._check_epoch(conn, run_id, epoch)
-                self._insert_payloads(conn, run_id, payload_puts)
-                self._insert_events(conn, run_id, batch, expected_seq, epoch)
-                self._insert_derived(conn, run_id, expected_seq, batch)
+        if not self._is_sqlite:  # a payload-only put on PostgreSQL
+            with self._translate_errors(doing), self._lock_timeouts(run_id, doing, lock_timeout_s):
+                with self._writer.begin() as conn:
+                    self._set_lock_timeout(conn, lock_timeout_s)
+                    self._check_epoch(_sa_execute(conn), run_id, epoch)
+                    self._insert_payloads_pg(conn, run_id, payload_puts)
+            return last
+        assert self._sqlite_writer is not None
+        with self._translate_errors(doing), self._sqlite_writer.transaction(doing) as execute:
+            if batch:
+                cur = execute(self._cas_sql, (last, run_id, expected_seq - 1, epoch))
+                if cur.rowcount != 1:
+                    row = execute(self._run_position_sql, (run_id,)).fetchone()
+                    raise _append_refusal(row, run_id, expected_seq, epoch)
+            else:
+                # A payload-only put still has to respect fencing.
+                self._check_epoch(execute, run_id, epoch)
+            self._write_rows(execute, run_id, batch, expected_seq, epoch, payload_puts)
         return last
 
     def _append_pg(
@@ -656,22 +674,43 @@ class EventStore:
             out.append(table)
         return out
 
-    def _insert_payloads(
-        self, conn: Connection, run_id: str, payload_puts: Sequence[PayloadPut]
+    def _write_rows(
+        self,
+        execute: Execute,
+        run_id: str,
+        batch: Sequence[NewEvent],
+        first_seq: int,
+        epoch: int,
+        payload_puts: Sequence[PayloadPut],
     ) -> None:
-        if not payload_puts:
-            return
-        if self._is_sqlite:
+        """SQLite: the payloads, the ``events`` rows of ``batch`` as offsets ``first_seq ..``
+        and the indexers' derived rows (in the same transaction: one exists iff the
+        other), each table's rows in as few multi-row statements as the limit allows."""
+        if payload_puts:
             flat: list[Any] = []
             for p in payload_puts:
                 flat += (run_id, p.payload_id, p.kind, p.data)
-            self._insert_chunks(conn, self._payloads_bulk, flat, len(payload_puts))
-        else:
+            _insert_chunks(execute, self._payloads_bulk, flat, len(payload_puts))
+        if not batch:
+            return
+        values = sqlite_event_values(batch, first_seq)
+        _insert_chunks(execute, self._events_bulk, values, len(batch), (run_id, epoch))
+        for indexer, _sql in self._indexers:
+            index_rows = indexer.rows(run_id, first_seq, batch)
+            if index_rows:
+                flat = derived_values(indexer.table, run_id, index_rows)
+                bulk = self._indexers_bulk[indexer.table]
+                _insert_chunks(execute, bulk, flat, len(index_rows), (run_id,))
+
+    def _insert_payloads_pg(
+        self, conn: Connection, run_id: str, payload_puts: Sequence[PayloadPut]
+    ) -> None:
+        if payload_puts:
             conn.exec_driver_sql(
                 self._payload_sql, [(run_id, p.payload_id, p.kind, p.data) for p in payload_puts]
             )
 
-    def _insert_events(
+    def _insert_events_pg(
         self,
         conn: Connection,
         run_id: str,
@@ -679,45 +718,21 @@ class EventStore:
         first_seq: int,
         epoch: int,
     ) -> None:
-        """The ``events`` rows of ``batch`` as offsets ``first_seq ..``."""
-        if not batch:
-            return
-        if self._is_sqlite:
-            flat = sqlite_event_values(batch, first_seq)
-            self._insert_chunks(conn, self._events_bulk, flat, len(batch), (run_id, epoch))
-        else:
+        """PostgreSQL: the ``events`` rows of ``batch`` as offsets ``first_seq ..``."""
+        if batch:
             rows = [
                 (run_id, seq, epoch, type_, version, stamp, payload)
                 for seq, (type_, version, payload, stamp, _derived) in enumerate(batch, first_seq)
             ]
             conn.exec_driver_sql(self._insert_sql, rows)
 
-    @staticmethod
-    def _insert_chunks(
-        conn: Connection,
-        bulk: MultiRowInsert,
-        flat: list[Any],
-        n: int,
-        shared: Sequence[Any] = (),
-    ) -> None:
-        for sql, params in bulk.chunks(flat, n, shared):
-            conn.exec_driver_sql(sql, tuple(params))
-
-    def _insert_derived(
-        self, conn: Connection, run_id: str, first_seq: int, batch: Sequence[NewEvent]
-    ) -> None:
-        """Derived rows share the events' transaction: one exists iff the other."""
+    def _insert_derived_pg(self, conn: Connection, run_id: str, batch: Sequence[NewEvent]) -> None:
+        """PostgreSQL: the derived rows of a run's first events (offsets 1 ..)."""
         if not batch:
             return
         for indexer, index_sql in self._indexers:
-            index_rows = indexer.rows(run_id, first_seq, batch)
-            if not index_rows:
-                continue
-            if self._is_sqlite:
-                flat = derived_values(indexer.table, run_id, index_rows)
-                bulk = self._indexers_bulk[indexer.table]
-                self._insert_chunks(conn, bulk, flat, len(index_rows), (run_id,))
-            else:
+            index_rows = indexer.rows(run_id, 1, batch)
+            if index_rows:
                 conn.exec_driver_sql(index_sql, index_rows)
 
     # ------------------------------------------------------------------ lock timeouts
@@ -809,24 +824,18 @@ class EventStore:
         """The registered indexers, in registration order."""
         return tuple(ix for ix, _ in self._indexers)
 
-    def _check_epoch(self, conn: Connection, run_id: str, epoch: int) -> None:
-        row = conn.execute(sa.select(runs.c.current_epoch).where(runs.c.run_id == run_id)).first()
+    def _check_epoch(self, execute: Execute, run_id: str, epoch: int) -> None:
+        row = execute(self._run_position_sql, (run_id,)).fetchone()
         if row is None:
             raise RunNotFoundError(f"no run {run_id!r}")
-        if row.current_epoch != epoch:
-            raise EpochFencedError(run_id, epoch, row.current_epoch)
+        if row[0] != epoch:
+            raise EpochFencedError(run_id, epoch, row[0])
 
     def _raise_append_refusal(
         self, conn: Connection, run_id: str, expected_seq: int, epoch: int
     ) -> None:
-        row = conn.execute(
-            sa.select(runs.c.current_epoch, runs.c.last_seq).where(runs.c.run_id == run_id)
-        ).first()
-        if row is None:
-            raise RunNotFoundError(f"no run {run_id!r}: create it before appending")
-        if row.current_epoch != epoch:
-            raise EpochFencedError(run_id, epoch, row.current_epoch)
-        raise AppendConflictError(run_id, expected_seq, row.last_seq + 1)
+        row = conn.exec_driver_sql(self._run_position_sql, (run_id,)).fetchone()
+        raise _append_refusal(row, run_id, expected_seq, epoch)
 
     # ------------------------------------------------------------------ read
     def last_seq(self, run_id: str) -> int:
@@ -1176,6 +1185,31 @@ class EventStore:
         return _ErrorTranslator(self, doing, keep_integrity=keep_integrity)
 
 
+def _sa_execute(conn: Connection) -> Execute:
+    """:data:`Execute` on a SQLAlchemy connection (a tuple: a list would be executemany)."""
+    return lambda sql, params: conn.exec_driver_sql(sql, tuple(params))
+
+
+def _insert_chunks(
+    execute: Execute, bulk: MultiRowInsert, flat: list[Any], n: int, shared: Sequence[Any] = ()
+) -> None:
+    for sql, params in bulk.chunks(flat, n, shared):
+        execute(sql, params)
+
+
+def _append_refusal(
+    row: Sequence[Any] | None, run_id: str, expected_seq: int, epoch: int
+) -> StoreError:
+    """Why an append's compare-and-set matched no row, from the run's ``(current_epoch,
+    last_seq)`` read in the same transaction (None: no such run)."""
+    if row is None:
+        return RunNotFoundError(f"no run {run_id!r}: create it before appending")
+    current_epoch, last_seq = row
+    if current_epoch != epoch:
+        return EpochFencedError(run_id, epoch, current_epoch)
+    return AppendConflictError(run_id, expected_seq, last_seq + 1)
+
+
 class _ErrorTranslator:
     """Turns driver errors into the store's error hierarchy, naming what was being done."""
 
@@ -1256,6 +1290,13 @@ def _make_engine(url: URL, *, readonly: bool, append_only: bool = False) -> Engi
         ) from exc
 
 
+def sqlite_busy_timeout_ms(url: URL) -> int:
+    """The URL's ``busy_timeout_ms`` (default :data:`DEFAULT_BUSY_TIMEOUT_MS`): how long a
+    SQLite writer waits for the write lock."""
+    raw = url.query.get("busy_timeout_ms", DEFAULT_BUSY_TIMEOUT_MS)
+    return whole_number_option(url, raw, "busy_timeout_ms", "milliseconds")
+
+
 def _make_sqlite_engine(url: URL, *, readonly: bool) -> Engine:
     query = dict(url.query)
     sync = str(query.pop("synchronous", DEFAULT_SQLITE_SYNCHRONOUS)).upper()
@@ -1263,8 +1304,8 @@ def _make_sqlite_engine(url: URL, *, readonly: bool) -> Engine:
         raise StoreUrlError(
             f"synchronous={sync!r} in {url!s}: choose one of {', '.join(SQLITE_SYNCHRONOUS)}"
         )
-    raw_busy = query.pop("busy_timeout_ms", DEFAULT_BUSY_TIMEOUT_MS)
-    busy_ms = whole_number_option(url, raw_busy, "busy_timeout_ms", "milliseconds")
+    query.pop("busy_timeout_ms", None)
+    busy_ms = sqlite_busy_timeout_ms(url)
     if query:
         raise StoreUrlError(f"unknown SQLite URL options {sorted(query)} in {url!s}")
     path = Path(url.database or "")
