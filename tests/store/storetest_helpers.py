@@ -68,14 +68,20 @@ def worker_cmd(*args: str) -> list[str]:
     return [sys.executable, str(WORKER), *args]
 
 
-def with_key_index(store: Any) -> KeyIndexer:
-    """Register a :class:`KeyIndexer` (creating its table on a SQL store); return it."""
+def create_key_table(store: Any) -> None:
+    """Create :class:`KeyIndexer`'s table on a SQL store (nothing on the memory store)."""
     if hasattr(store, "engine"):
         with store.engine.begin() as conn:
             conn.exec_driver_sql(
                 "CREATE TABLE IF NOT EXISTS test_keys (run_id VARCHAR(128) NOT NULL, "
                 "seq BIGINT NOT NULL, k1 BIGINT, k2 BIGINT, PRIMARY KEY (run_id, seq))"
             )
-    indexer = KeyIndexer()
+
+
+def with_key_index(store: Any, indexer: KeyIndexer | None = None) -> KeyIndexer:
+    """Register ``indexer`` (a plain :class:`KeyIndexer` by default), creating its table
+    on a SQL store; return it."""
+    create_key_table(store)
+    indexer = indexer or KeyIndexer()
     store.add_indexer(indexer)
     return indexer

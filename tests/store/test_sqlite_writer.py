@@ -99,13 +99,6 @@ class _BlockingIndexer(KeyIndexer):
         return super().rows(run_id, first_seq, batch)
 
 
-def _register(store: EventStore, indexer: KeyIndexer) -> None:
-    with_key_index(store)  # creates the table (and registers a plain KeyIndexer)
-    store._indexers.clear()
-    store._indexers_bulk.clear()
-    store.add_indexer(indexer)
-
-
 def test_every_append_uses_one_connection_outside_the_pool(
     store: EventStore, db_path: Path
 ) -> None:
@@ -157,7 +150,7 @@ def test_a_driver_error_rolls_back_and_the_next_append_reopens(
 def test_a_failure_before_sqlite_rolls_back(
     store: EventStore, db_path: Path, error: BaseException, connections: int
 ) -> None:
-    _register(store, _RaisingIndexer(error))
+    with_key_index(store, _RaisingIndexer(error))
     with pytest.raises(type(error)):
         store.append("r", make_batch(0, 4), expected_seq=1, epoch=1)
     assert _stored(db_path) == (0, [], 0)
@@ -189,7 +182,7 @@ def test_a_thread_waits_for_the_writer_at_most_busy_timeout(
     store: EventStore, db_path: Path
 ) -> None:
     blocking = _BlockingIndexer()
-    _register(store, blocking)
+    with_key_index(store, blocking)
     errors: list[BaseException] = []
 
     def first() -> None:
@@ -215,9 +208,11 @@ def test_a_thread_waits_for_the_writer_at_most_busy_timeout(
 
 
 def test_threads_appending_to_one_store_take_turns(store: EventStore, db_path: Path) -> None:
+    deadline = time.monotonic() + 60
+
     def appender(k: int) -> None:
         for i in range(25):
-            while True:
+            while time.monotonic() < deadline:
                 nxt = store.last_seq("r") + 1
                 try:
                     store.append("r", make_batch(1000 * k + 4 * i, 4), expected_seq=nxt, epoch=1)
@@ -246,7 +241,7 @@ def test_close_closes_now_or_when_the_running_append_ends(store: EventStore, db_
         first.execute("SELECT 1")
     # A closed store still appends (as its engine still connects): on a new connection.
     blocking = _BlockingIndexer()
-    _register(store, blocking)
+    with_key_index(store, blocking)
     done = threading.Thread(
         target=store.append, args=("r", make_batch(1, 2)), kwargs={"expected_seq": 2, "epoch": 1}
     )
