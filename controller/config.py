@@ -111,20 +111,22 @@ class StoreConfig(BaseModel):
         50_000, ge=0, description="Events between state snapshots (0: never snapshot)."
     )
     snapshot_slice_ms: float = Field(
-        10.0,
+        5.0,
         gt=0,
-        description="Longest one command spends re-encoding the groups it and earlier "
-        "commands touched, once a snapshot is due (the snapshot is taken when none is "
-        "left; joining and compressing run on the snapshot thread).",
+        description="Once a snapshot is due, a command re-encodes the groups it and earlier "
+        "commands touched until this long after it started (its own work counts; at least "
+        "32 groups each, so a snapshot progresses behind long commands too). The snapshot "
+        "is taken when none is left; joining and compressing run on the snapshot thread.",
     )
     gc_freeze_interval: int = Field(
         0,
         ge=0,
         description="Events between two moves of the process's live objects out of the "
-        "garbage collector's full collections (gc.collect of what is new, then gc.freeze), "
-        "so a full collection over a large buffer (100-200 ms at 100k groups) does not pause "
-        "the event loop. Process-wide; objects that die inside reference cycles after a "
-        "freeze are reclaimed only when the last such controller closes. 0: never.",
+        "garbage collector's full collections (gc.collect of what is new, then gc.freeze). "
+        "The state's groups and siblings are never walked (they are untracked); this is for "
+        "a process whose own heap makes full collections long. Process-wide; objects that "
+        "die inside reference cycles after a freeze are reclaimed only when the last such "
+        "controller closes. 0: never.",
     )
     require_stored_payloads: bool = Field(
         True,

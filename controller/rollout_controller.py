@@ -486,6 +486,7 @@ class RolloutController:
         Listeners see the events once they are durable (see :attr:`listeners`).
         """
         with self._lock:
+            started = time.perf_counter()
             self._raise_if_failed()
             events = decide(self.state, command)
             if not events:
@@ -521,7 +522,7 @@ class RolloutController:
             self._undelivered.append(applied)
             if self.store_config.snapshot_interval > 0:
                 self._snapshot_encoder.touched(events)
-            self._maybe_snapshot()
+            self._maybe_snapshot(started)
             self.heap_freezer.after(self.state.last_seq)
         self._deliver_durable()
         return applied
@@ -613,7 +614,7 @@ class RolloutController:
         check_invariants(self.state)
 
     # ------------------------------------------------------------------ snapshots
-    def _maybe_snapshot(self) -> None:
+    def _maybe_snapshot(self, command_started: float) -> None:
         interval = self.store_config.snapshot_interval
         if interval <= 0 or self.state.last_seq - self._last_snapshot < interval:
             return
@@ -622,17 +623,19 @@ class RolloutController:
         seq = self.state.last_seq
         started = time.perf_counter()
         try:
-            self._snapshot_step(seq)
+            # The slice bounds the whole command: re-encoding fills what the command's own
+            # work left of it (refresh still does one small batch of groups when nothing
+            # is left, so a snapshot progresses behind long commands too).
+            left = self.store_config.snapshot_slice_ms / 1000 - (started - command_started)
+            self._snapshot_step(seq, max(0.0, left))
         finally:
             self.snapshot_step_max_s = max(self.snapshot_step_max_s, time.perf_counter() - started)
 
-    def _snapshot_step(self, seq: int) -> None:
+    def _snapshot_step(self, seq: int, slice_s: float) -> None:
         try:
             # Each command re-encodes at most a slice of the touched groups, so no
             # command pauses its caller for long; the snapshot is cut once all are current.
-            if not self._snapshot_encoder.refresh(
-                self.state, self.store_config.snapshot_slice_ms / 1000
-            ):
+            if not self._snapshot_encoder.refresh(self.state, slice_s):
                 return
             finish = self._snapshot_encoder.cut(self.state)
         except Exception:

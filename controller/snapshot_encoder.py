@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 
 from .domain.events import RolloutEvent, RunRestored, RunResumed
 from .domain.state import GroupState, RunState, _as_plain
+from .domain.untracked import untrack
 
 #: Events whose evolve changes every live group (a new epoch resets in-flight siblings).
 GROUP_WIDE_EVENTS: tuple[type[RolloutEvent], ...] = (RunRestored, RunResumed)
@@ -52,7 +53,11 @@ class SnapshotEncoder:
 
     def __init__(self) -> None:
         self._texts: dict[int, str] = {}
+        # Group ids and immutable texts only: the containers below that CPython tracks
+        # are untracked (never in a cycle), so a full collection does not visit one entry
+        # per group (domain/untracked.py).
         self._dirty: set[int] = set()
+        untrack(self._dirty)
         self._all_dirty = True  # nothing encoded yet
 
     def touched(self, events: Iterable[RolloutEvent]) -> None:
@@ -66,10 +71,12 @@ class SnapshotEncoder:
                 self._dirty.add(group_id)
 
     def refresh(self, state: RunState, slice_s: float | None = None) -> bool:
-        """Re-encode touched groups for at most ``slice_s`` seconds (None: all of them);
-        True when every live group's JSON is current."""
+        """Re-encode touched groups for at most ``slice_s`` seconds (None: all of them),
+        and at least 32 of them (so a zero slice still progresses); True when every live
+        group's JSON is current."""
         if self._all_dirty:
             self._dirty = set(state.groups)
+            untrack(self._dirty)
             self._all_dirty = False
         deadline = None if slice_s is None else time.perf_counter() + slice_s
         dirty, texts, groups = self._dirty, self._texts, state.groups
@@ -95,6 +102,7 @@ class SnapshotEncoder:
             raise RuntimeError("refresh() the encoder until it returns True before cut()")
         texts = self._texts
         group_texts = [texts[group_id] for group_id in state.groups]
+        untrack(group_texts)
         if len(texts) > 2 * len(group_texts) + 1024:  # forget groups that left the state
             self._texts = {group_id: texts[group_id] for group_id in state.groups}
         head = state.to_snapshot(groups=False)

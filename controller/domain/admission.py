@@ -171,13 +171,13 @@ def evolve_group_admitted(state: RunState, ev: GroupAdmitted) -> None:
     group = _new_group(state, ev.group_id, ev.prompt_index, ev.data_pass)
     group.target_step = ev.target_step
     group.phase = Phase.ADMITTED
-    state.groups[group.group_id] = group
+    state.add_group(group)
 
 
 def evolve_spare_pulled(state: RunState, ev: SparePulled) -> None:
     """A new group in the spare pool."""
     group = _new_group(state, ev.group_id, ev.prompt_index, ev.data_pass)
-    state.groups[group.group_id] = group
+    state.add_group(group)
     state.spares.append(group.group_id)
 
 

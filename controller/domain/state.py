@@ -14,6 +14,7 @@ from enum import StrEnum
 from typing import Any
 
 from ..config import RolloutConfig
+from .untracked import untrack
 
 
 class Phase(StrEnum):
@@ -49,6 +50,10 @@ class SiblingState:
     payload_id: str | None = None
     salvaged: bool = False
 
+    def __post_init__(self) -> None:
+        # Atoms only, so never in a cycle: out of the collector's walks (untracked.py).
+        untrack(self)
+
 
 @dataclass(slots=True)
 class GroupState:
@@ -65,6 +70,12 @@ class GroupState:
     selected_staleness: int | None = None
     ready_order: int | None = None  # position in commit order (ready_first sampler)
     data_pass: int = 0  # the pass over the data: the prompt's identity is (pass, index)
+
+    def __post_init__(self) -> None:
+        # Atoms and the sibling list, so never in a cycle: out of the collector's walks
+        # (untracked.py). A sibling list is only ever made with its group.
+        untrack(self)
+        untrack(self.siblings)
 
     def done_count(self) -> int:
         """Siblings with a completion."""
@@ -167,6 +178,17 @@ class RunState:
     checkpoint: CheckpointRef | None = None
     failure: str | None = None  # set when the drop policy "fail" stopped the run
     engines: dict[str, EngineState] = field(default_factory=dict)  # by engine id
+
+    def __post_init__(self) -> None:
+        # The groups dict holds only groups, so it is never in a cycle: off the
+        # collector's walks like them (untracked.py). Inserting a group makes CPython track
+        # it again, so add_group untracks it after each insert.
+        untrack(self.groups)
+
+    def add_group(self, group: GroupState) -> None:
+        """Hold a new live group (keeping the groups dict off the cyclic collector)."""
+        self.groups[group.group_id] = group
+        untrack(self.groups)
 
     @property
     def rules(self) -> RolloutConfig:

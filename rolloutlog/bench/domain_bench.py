@@ -39,6 +39,7 @@ import gc
 import json
 import math
 import os
+import pickle
 import platform
 import queue
 import statistics
@@ -66,6 +67,7 @@ from rolloutlog.controller.domain import (
     check_invariants,
     decide,
     evolve,
+    initial_state,
 )
 from rolloutlog.controller.domain.admission import admission_blocker
 from rolloutlog.controller.domain.commands import Command
@@ -588,26 +590,28 @@ def bench_loop_pause(
     cycles through it as the pump does (select, train, publish, admit, dispatch and
     complete the next step's groups, yielding to the loop between commands) while a
     monitor task sleeps 1 ms at a time and records how late it wakes. It runs twice, each
-    on a buffer of its own: with ``store.gc_freeze_interval`` set to the
-    snapshot interval (``max_loop_pause_ms``, the setting docs/operations.md recommends
-    for large buffers) and with the default 0 (``max_loop_pause_ms_without_gc_freeze``:
-    CPython's full collections then walk the whole state). Baseline, same run:
-    :func:`encode_snapshot` of the whole state, what a snapshot used to cost inline.
+    on a buffer of its own: with the default configuration (``max_loop_pause_ms``; the
+    state's groups are untracked, so CPython's full collections do not walk them) and with
+    ``store.gc_freeze_interval`` set to the snapshot interval
+    (``max_loop_pause_ms_with_gc_freeze``: nothing older than an interval is walked).
+    Baselines, same run: :func:`encode_snapshot` of the whole state, what a snapshot used
+    to cost inline, and :func:`bench_full_collection`, what a full collection costs with
+    the groups untracked and tracked.
     """
     say = progress or (lambda _msg: None)
     interval = max(1, sizes.snapshot_interval // 5)
-    frozen = _loop_pause_run(root, sizes, say, gc_freeze_interval=interval, label="frozen")
     default = _loop_pause_run(root, sizes, say, gc_freeze_interval=0, label="default")
-    worst, worst_default = frozen["loop_pause_ms"]["max"], default["loop_pause_ms"]["max"]
+    frozen = _loop_pause_run(root, sizes, say, gc_freeze_interval=interval, label="frozen")
+    worst, worst_frozen = default["loop_pause_ms"]["max"], frozen["loop_pause_ms"]["max"]
     step_ms = max(frozen["max_snapshot_step_ms"], default["max_snapshot_step_ms"])
     return {
-        **frozen,
-        "gc_freeze_interval": interval,
-        "without_gc_freeze": default,
-        "full_snapshot_encode_vs_max_loop_pause": _ratio(frozen["full_snapshot_encode_ms"], worst),
+        **default,
+        "with_gc_freeze": {**frozen, "gc_freeze_interval": interval},
+        "full_collection": bench_full_collection(sizes.checkpoint_groups[1], sizes.group_size, say),
+        "full_snapshot_encode_vs_max_loop_pause": _ratio(default["full_snapshot_encode_ms"], worst),
         "ratios": {
             "max_loop_pause_ms": worst,
-            "max_loop_pause_ms_without_gc_freeze": worst_default,
+            "max_loop_pause_ms_with_gc_freeze": worst_frozen,
             "max_snapshot_step_ms": step_ms,
         },
     }
@@ -686,6 +690,48 @@ def _loop_pause_run(
         # The longest snapshot work any one command did on the loop (the rest of the
         # longest pause is the command itself and the garbage collector).
         "max_snapshot_step_ms": snapshot_step_ms,
+    }
+
+
+def bench_full_collection(groups: int, group_size: int, say: _ProgressFn) -> dict[str, Any]:
+    """How long one full ``gc.collect()`` takes with ``groups`` admitted groups of
+    ``group_size`` siblings held, as the controller keeps them (untracked: see
+    controller/domain/untracked.py) and, the baseline in the same run, the same groups
+    as tracked objects (an unpickled copy: built without ``__init__``, so tracked, as
+    every group was before). Medians of three collections each."""
+    say(f"loop: full collections with {size_label(groups)} groups of {group_size}")
+    rules = workload_config(1_000, group_size).model_copy(
+        update={"lookahead": math.ceil(groups / 1_000), "spare_pool_size": 0}
+    )
+    state = initial_state()
+    for command in (
+        StartRun("gc", rules, "fp", DATASET_FINGERPRINT, dataset_size=groups),
+        *(AdmitStep() for _ in range(math.ceil(groups / 1_000))),
+    ):
+        for event in decide(state, command):
+            evolve(state, event, state.last_seq + 1)
+    _check(len(state.groups) == groups, f"admitted {len(state.groups)} groups, wanted {groups}")
+
+    def collect_ms() -> float:
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            gc.collect()
+            times.append(time.perf_counter() - started)
+        return _median(times) * 1000
+
+    untracked_ms = collect_ms()
+    tracked = pickle.loads(pickle.dumps(state.groups, protocol=pickle.HIGHEST_PROTOCOL))
+    state.groups = {}  # the same state but for the groups, now the tracked copies
+    _check(gc.is_tracked(next(iter(tracked.values()))), "the unpickled groups are untracked")
+    tracked_ms = collect_ms()
+    del tracked
+    return {
+        "groups": groups,
+        "group_size": group_size,
+        "untracked_ms": untracked_ms,
+        "tracked_ms": tracked_ms,
+        "tracked_vs_untracked": _ratio(tracked_ms, untracked_ms),
     }
 
 

@@ -89,6 +89,12 @@ def print_report(result: dict[str, Any]) -> None:
             f"over {loop['cycles']} training cycles and {loop['snapshots_written']} "
             f"snapshots; a full-state encoding takes {loop['full_snapshot_encode_ms']:.0f} ms"
         )
+        full = loop["full_collection"]
+        console.print(
+            f"one full gc.collect() with {size_label(full['groups'])} groups of "
+            f"{full['group_size']}: {full['untracked_ms']:.1f} ms as the controller holds "
+            f"them (untracked), {full['tracked_ms']:.1f} ms tracked"
+        )
 
     ckpt = result.get("checkpoint")
     if ckpt:

@@ -12,6 +12,8 @@ The helper functions below drive either one.
 
 from __future__ import annotations
 
+import gc
+import platform
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -341,6 +343,19 @@ class PromptLedger:
 
 
 # ---------------------------------------------------------------- controllers
+
+
+def assert_state_untracked(state: RunState) -> None:
+    """The groups dict of ``state``, every group, its sibling list and its siblings are off
+    the cyclic collector's lists (CPython; elsewhere untracking is a no-op)."""
+    if platform.python_implementation() != "CPython":
+        return
+    assert not gc.is_tracked(state.groups), "the groups dict is tracked by the collector"
+    for g in state.groups.values():
+        assert not gc.is_tracked(g), f"group {g.group_id} is tracked by the collector"
+        assert not gc.is_tracked(g.siblings), f"group {g.group_id}'s sibling list is tracked"
+        tracked = [i for i, s in enumerate(g.siblings) if gc.is_tracked(s)]
+        assert not tracked, f"group {g.group_id}'s siblings {tracked} are tracked"
 
 
 def store_config(*, snapshot_interval: int = 0, window_ms: float = 0.0) -> StoreConfig:
