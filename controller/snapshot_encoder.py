@@ -52,10 +52,10 @@ class SnapshotEncoder:
     """Keeps the JSON of every live group of one state fresh, a slice at a time."""
 
     def __init__(self) -> None:
+        # Ids to texts: CPython never tracks a dict of atoms. A set always is tracked, so
+        # the set of ids is untracked here and when replaced (it holds only ints, never a
+        # cycle), and a full collection does not visit one entry per group (untracked.py).
         self._texts: dict[int, str] = {}
-        # Group ids and immutable texts only: the containers below that CPython tracks
-        # are untracked (never in a cycle), so a full collection does not visit one entry
-        # per group (domain/untracked.py).
         self._dirty: set[int] = set()
         untrack(self._dirty)
         self._all_dirty = True  # nothing encoded yet

@@ -67,7 +67,6 @@ from rolloutlog.controller.domain import (
     check_invariants,
     decide,
     evolve,
-    initial_state,
 )
 from rolloutlog.controller.domain.admission import admission_blocker
 from rolloutlog.controller.domain.commands import Command
@@ -703,13 +702,11 @@ def bench_full_collection(groups: int, group_size: int, say: _ProgressFn) -> dic
     rules = workload_config(1_000, group_size).model_copy(
         update={"lookahead": math.ceil(groups / 1_000), "spare_pool_size": 0}
     )
-    state = initial_state()
-    for command in (
-        StartRun("gc", rules, "fp", DATASET_FINGERPRINT, dataset_size=groups),
-        *(AdmitStep() for _ in range(math.ceil(groups / 1_000))),
-    ):
-        for event in decide(state, command):
-            evolve(state, event, state.last_seq + 1)
+    driver = RunDriver(None, "gc", rules, dataset_size=groups)  # no store: it only folds
+    driver.start()
+    for _ in range(math.ceil(groups / 1_000)):
+        driver.execute(AdmitStep())
+    state = driver.state
     _check(len(state.groups) == groups, f"admitted {len(state.groups)} groups, wanted {groups}")
 
     def collect_ms() -> float:
