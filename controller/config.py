@@ -118,15 +118,24 @@ class StoreConfig(BaseModel):
         "32 groups each, so a snapshot progresses behind long commands too). The snapshot "
         "is taken when none is left; joining and compressing run on the snapshot thread.",
     )
+    gc_freeze_at_open: bool = Field(
+        True,
+        description="When the process's first controller opens, collect once and move every "
+        "live object (imports, model, dataset) out of the garbage collector's full "
+        "collections (gc.freeze), so a collection that trips inside a command walks only "
+        "what the process made since. Process-wide and bounded: objects alive at that "
+        "moment that later die inside reference cycles are reclaimed when the last "
+        "controller closes (gc.unfreeze). Skipped when the process froze objects itself.",
+    )
     gc_freeze_interval: int = Field(
         0,
         ge=0,
         description="Events between two moves of the process's live objects out of the "
         "garbage collector's full collections (gc.collect of what is new, then gc.freeze). "
         "The state's groups and siblings are never walked (they are untracked); this is for "
-        "a process whose own heap makes full collections long. Process-wide; objects that "
-        "die inside reference cycles after a freeze are reclaimed only when the last such "
-        "controller closes. 0: never.",
+        "a process whose own heap, grown after the open, makes full collections long. "
+        "Process-wide; objects that die inside reference cycles after a freeze are "
+        "reclaimed only when the last such controller closes. 0: never.",
     )
     require_stored_payloads: bool = Field(
         True,

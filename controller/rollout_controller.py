@@ -267,8 +267,10 @@ class RolloutController:
         self._undelivered: deque[list[tuple[int, RolloutEvent]]] = deque()
         self._deliver_lock = threading.RLock()
         self._failure: BaseException | None = None
-        # Off by default (it is process-wide); see gc_freeze.py for what it costs.
-        self.heap_freezer = HeapFreezer(self.store_config.gc_freeze_interval)
+        # Process-wide: see gc_freeze.py for what each kind of freeze costs.
+        self.heap_freezer = HeapFreezer(
+            self.store_config.gc_freeze_interval, at_open=self.store_config.gc_freeze_at_open
+        )
         self.heap_freezer.start(state.last_seq)
 
     # ------------------------------------------------------------------ opening

@@ -525,6 +525,7 @@ def build_buffered_run(
     snapshot_interval: int = 0,
     dataset_size: int | None = None,
     gc_freeze_interval: int = 0,
+    gc_freeze_at_open: bool = True,
 ) -> RolloutController:
     """A controller whose buffer holds ``groups`` ready groups, built by public commands.
 
@@ -544,6 +545,7 @@ def build_buffered_run(
             snapshot_interval=snapshot_interval,
             require_stored_payloads=False,
             gc_freeze_interval=gc_freeze_interval,
+            gc_freeze_at_open=gc_freeze_at_open,
         ),
     )
     while admission_blocker(ctl.state) is None and len(ctl.state.groups) < groups:
@@ -588,10 +590,12 @@ def bench_loop_pause(
     takes snapshots every ``snapshot_interval // 5`` events. A coroutine runs training
     cycles through it as the pump does (select, train, publish, admit, dispatch and
     complete the next step's groups, yielding to the loop between commands) while a
-    monitor task sleeps 1 ms at a time and records how late it wakes. It runs twice, each
-    on a buffer of its own: with the default configuration (``max_loop_pause_ms``; the
-    state's groups are untracked, so CPython's full collections do not walk them) and with
-    ``store.gc_freeze_interval`` set to the snapshot interval
+    monitor task sleeps 1 ms at a time and records how late it wakes. It runs three times,
+    each on a buffer of its own: with the default configuration (``max_loop_pause_ms``:
+    the state's groups are untracked and the heap alive at open is frozen, so CPython's
+    full collections walk neither), with ``store.gc_freeze_at_open`` off (the baseline,
+    ``max_loop_pause_ms_without_gc_freeze``: collections walk the whole import heap), and
+    with ``store.gc_freeze_interval`` set to the snapshot interval as well
     (``max_loop_pause_ms_with_gc_freeze``: nothing older than an interval is walked).
     Baselines, same run: :func:`encode_snapshot` of the whole state, what a snapshot used
     to cost inline, and :func:`bench_full_collection`, what a full collection costs with
@@ -599,18 +603,26 @@ def bench_loop_pause(
     """
     say = progress or (lambda _msg: None)
     interval = max(1, sizes.snapshot_interval // 5)
-    default = _loop_pause_run(root, sizes, say, gc_freeze_interval=0, label="default")
+    default = _loop_pause_run(root, sizes, say, label="default")
+    unfrozen = _loop_pause_run(root, sizes, say, gc_freeze_at_open=False, label="unfrozen")
     frozen = _loop_pause_run(root, sizes, say, gc_freeze_interval=interval, label="frozen")
     worst, worst_frozen = default["loop_pause_ms"]["max"], frozen["loop_pause_ms"]["max"]
-    step_ms = max(frozen["max_snapshot_step_ms"], default["max_snapshot_step_ms"])
+    worst_unfrozen = unfrozen["loop_pause_ms"]["max"]
+    step_ms = max(
+        frozen["max_snapshot_step_ms"],
+        default["max_snapshot_step_ms"],
+        unfrozen["max_snapshot_step_ms"],
+    )
     return {
         **default,
+        "without_gc_freeze": unfrozen,
         "with_gc_freeze": {**frozen, "gc_freeze_interval": interval},
         "full_collection": bench_full_collection(sizes.checkpoint_groups[1], sizes.group_size, say),
         "full_snapshot_encode_vs_max_loop_pause": _ratio(default["full_snapshot_encode_ms"], worst),
         "ratios": {
             "max_loop_pause_ms": worst,
             "max_loop_pause_ms_with_gc_freeze": worst_frozen,
+            "max_loop_pause_ms_without_gc_freeze": worst_unfrozen,
             "max_snapshot_step_ms": step_ms,
         },
     }
@@ -621,10 +633,11 @@ def _loop_pause_run(
     sizes: DomainBenchSizes,
     say: _ProgressFn,
     *,
-    gc_freeze_interval: int,
     label: str,
+    gc_freeze_interval: int = 0,
+    gc_freeze_at_open: bool = True,
 ) -> dict[str, Any]:
-    """One measured run of :func:`bench_loop_pause` with this ``gc_freeze_interval``."""
+    """One measured run of :func:`bench_loop_pause` with these freeze settings."""
     groups = sizes.checkpoint_groups[1]
     per_step = sizes.checkpoint_groups_per_step
     cycles = 12
@@ -632,7 +645,8 @@ def _loop_pause_run(
     interval = max(1, sizes.snapshot_interval // 5)
     say(
         f"loop ({label}): building a buffer of {size_label(groups)} ready groups "
-        f"(snapshots on, gc_freeze_interval={gc_freeze_interval})"
+        f"(snapshots on, gc_freeze_at_open={gc_freeze_at_open}, "
+        f"gc_freeze_interval={gc_freeze_interval})"
     )
     gc.collect()
     ctl = build_buffered_run(
@@ -643,7 +657,9 @@ def _loop_pause_run(
         snapshot_interval=interval,
         dataset_size=groups + per_step * (cycles + 2),
         gc_freeze_interval=gc_freeze_interval,
+        gc_freeze_at_open=gc_freeze_at_open,
     )
+    frozen_at_open = ctl.heap_freezer.holding and gc_freeze_interval == 0
     try:
         say(f"loop ({label}): timing the full-state encoding baseline")
         encode_s = []
@@ -677,6 +693,7 @@ def _loop_pause_run(
         "cycles": cycles,
         "snapshot_interval": interval,
         "snapshots_written": snapshots,
+        "frozen_at_open": frozen_at_open,
         "heap_freezes": freezes,
         "max_heap_freeze_ms": freeze_ms,
         "log_events": events,

@@ -1,13 +1,18 @@
-"""``store.gc_freeze_interval``: the controller moves the live heap out of CPython's
-full collections every interval events, and gives it back when the last such
-controller closes (a process-wide setting must not outlive its users)."""
+"""The controller keeps the process's heap out of CPython's full collections: once at
+the first open (``store.gc_freeze_at_open``, the default) and, opt-in, every interval
+events (``store.gc_freeze_interval``); it gives the heap back when the last controller
+holding the freeze closes (a process-wide setting must not outlive its users)."""
 
 from __future__ import annotations
 
 import gc
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
+from rolloutlog.controller import gc_freeze
 from rolloutlog.controller.config import RolloutConfig, StoreConfig
 from rolloutlog.controller.domain import AdmitStep
 from rolloutlog.controller.gc_freeze import HeapFreezer
@@ -15,7 +20,20 @@ from rolloutlog.controller.rollout_controller import RolloutController
 from rolloutlog.eventstore import EventStore
 
 
-def _controller(tmp_path: Path, name: str, interval: int) -> RolloutController:
+@pytest.fixture(autouse=True)
+def _no_freeze_held(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each test starts from a process with nothing frozen and no holder (the freeze is
+    process-wide: another test's open controller must not decide these)."""
+    monkeypatch.setattr(gc_freeze, "_holders", 0)
+    monkeypatch.setattr(gc_freeze, "_owned", False)
+    gc.unfreeze()
+    yield
+    gc.unfreeze()
+
+
+def _controller(
+    tmp_path: Path, name: str, interval: int = 0, *, at_open: bool = True
+) -> RolloutController:
     url = f"sqlite:///{tmp_path / f'{name}.db'}"
     return RolloutController.start(
         EventStore.open(url),
@@ -23,26 +41,93 @@ def _controller(tmp_path: Path, name: str, interval: int) -> RolloutController:
         RolloutConfig(group_size=2, groups_per_step=2, lookahead=50, spare_pool_size=0),
         dataset_fingerprint="d",
         dataset_size=1000,
-        store_config=StoreConfig(url=url, gc_freeze_interval=interval),
+        store_config=StoreConfig(url=url, gc_freeze_interval=interval, gc_freeze_at_open=at_open),
     )
 
 
-def test_off_by_default_nothing_is_frozen(tmp_path: Path) -> None:
-    assert StoreConfig().gc_freeze_interval == 0
-    before = gc.get_freeze_count()
-    ctl = _controller(tmp_path, "off", 0)
-    try:
-        for _ in range(5):
-            ctl.execute(AdmitStep())
-        assert ctl.heap_freezer.freezes == 0
-        assert gc.get_freeze_count() == before
-    finally:
+def _close(*ctls: RolloutController) -> None:
+    for ctl in ctls:
         ctl.close()
         ctl.store.close()
 
 
+def test_the_first_open_freezes_once_and_the_last_close_unfreezes(tmp_path: Path) -> None:
+    assert StoreConfig().gc_freeze_at_open is True
+    assert StoreConfig().gc_freeze_interval == 0
+    a = _controller(tmp_path, "a")
+    try:
+        assert a.heap_freezer.freezes == 1 and a.heap_freezer.holding
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        b = _controller(tmp_path, "b")  # joins the freeze: nothing more is frozen
+        try:
+            assert b.heap_freezer.freezes == 0 and b.heap_freezer.holding
+            # Frozen objects freed by reference counting leave the count; none join it.
+            assert 0 < gc.get_freeze_count() <= frozen
+            for _ in range(5):
+                b.execute(AdmitStep())
+            assert b.heap_freezer.freezes == 0  # no interval: never again
+            a.close()
+            assert gc.get_freeze_count() > 0  # b still holds the freeze
+        finally:
+            _close(b)
+        assert gc.get_freeze_count() == 0  # everything is collectable again
+    finally:
+        _close(a)
+
+
+def test_off_nothing_is_frozen(tmp_path: Path) -> None:
+    ctl = _controller(tmp_path, "off", at_open=False)
+    try:
+        for _ in range(5):
+            ctl.execute(AdmitStep())
+        assert ctl.heap_freezer.freezes == 0 and not ctl.heap_freezer.holding
+        assert gc.get_freeze_count() == 0
+    finally:
+        _close(ctl)
+
+
+def test_a_process_that_froze_objects_itself_is_left_alone(tmp_path: Path) -> None:
+    keep = [object() for _ in range(3)]  # noqa: F841 - alive while frozen
+    gc.freeze()
+    theirs = gc.get_freeze_count()
+    ctl = _controller(tmp_path, "theirs")
+    try:
+        assert ctl.heap_freezer.freezes == 0 and not ctl.heap_freezer.holding
+        assert 0 < gc.get_freeze_count() <= theirs  # nothing of ours joined it
+    finally:
+        _close(ctl)
+    assert gc.get_freeze_count() > 0  # not unfrozen on close either
+
+
+def test_an_interval_freezer_does_not_unfreeze_what_the_process_froze(tmp_path: Path) -> None:
+    gc.freeze()
+    ctl = _controller(tmp_path, "interval", 4)
+    try:
+        assert ctl.heap_freezer.freezes == 1 and ctl.heap_freezer.holding
+    finally:
+        _close(ctl)
+    assert gc.get_freeze_count() > 0  # the process's own freeze stands
+
+
+def test_cyclic_garbage_at_open_is_collected_before_the_freeze() -> None:
+    class Node:
+        other: object = None
+
+    x, y = Node(), Node()
+    x.other, y.other = y, x
+    probe = weakref.ref(x)
+    del x, y  # garbage, but only a collection finds it
+    freezer = HeapFreezer(0, at_open=True)
+    freezer.start(0)
+    try:
+        assert freezer.holding
+        assert probe() is None  # collected at open, not held back by the freeze
+    finally:
+        freezer.close()
+
+
 def test_freezes_every_interval_and_the_last_close_unfreezes(tmp_path: Path) -> None:
-    gc.unfreeze()
     a = _controller(tmp_path, "a", 4)
     b = _controller(tmp_path, "b", 4)
     try:
@@ -65,8 +150,6 @@ def test_freezes_every_interval_and_the_last_close_unfreezes(tmp_path: Path) -> 
 
 
 def test_a_frozen_cycle_is_reclaimed_after_the_unfreeze() -> None:
-    gc.unfreeze()
-
     class Node:
         other: object = None
 
