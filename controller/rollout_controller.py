@@ -673,12 +673,14 @@ class RolloutController:
 
     @contextlib.contextmanager
     def _abandon_on_error(self) -> Iterator[None]:
-        """On an error while opening, stop the commit thread without flushing, re-raise."""
+        """On an error while opening, stop the commit thread without flushing, leave the
+        process's heap freeze (it must not outlive a controller nobody can close), re-raise."""
         try:
             yield
         except BaseException:
             self.committer.close(flush=False)
             self._snapshots.shutdown(wait=False)
+            self.heap_freezer.close()
             raise
 
     def close(self) -> None:

@@ -76,6 +76,28 @@ def test_the_first_open_freezes_once_and_the_last_close_unfreezes(tmp_path: Path
         _close(a)
 
 
+def test_an_open_that_fails_leaves_the_freeze(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = _controller(tmp_path, "run")
+    _close(first)
+    assert gc.get_freeze_count() == 0
+
+    def refuse(self: RolloutController, command: object) -> None:
+        raise RuntimeError(f"injected: {type(command).__name__} refused")
+
+    monkeypatch.setattr(RolloutController, "execute", refuse)
+    url = f"sqlite:///{tmp_path / 'run.db'}"
+    store = EventStore.open(url)
+    try:
+        with pytest.raises(RuntimeError, match="injected: Resume refused"):
+            RolloutController.open(store, "run", store_config=StoreConfig(url=url))
+    finally:
+        store.close()
+    assert gc_freeze._holders == 0
+    assert gc.get_freeze_count() == 0  # frozen at the failed open, given back
+
+
 def test_off_nothing_is_frozen(tmp_path: Path) -> None:
     ctl = _controller(tmp_path, "off", at_open=False)
     try:
