@@ -125,7 +125,8 @@ class StoreConfig(BaseModel):
         "collections (gc.freeze), so a collection that trips inside a command walks only "
         "what the process made since. Process-wide and bounded: objects alive at that "
         "moment that later die inside reference cycles are reclaimed when the last "
-        "controller closes (gc.unfreeze). Skipped when the process froze objects itself.",
+        "controller closes (gc.unfreeze). Neither this nor gc_freeze_interval freezes "
+        "anything in a process that froze objects itself before its first controller.",
     )
     gc_freeze_interval: int = Field(
         0,
@@ -135,7 +136,7 @@ class StoreConfig(BaseModel):
         "The state's groups and siblings are never walked (they are untracked); this is for "
         "a process whose own heap, grown after the open, makes full collections long. "
         "Process-wide; objects that die inside reference cycles after a freeze are "
-        "reclaimed only when the last such controller closes. 0: never.",
+        "reclaimed only when the last controller holding the freeze closes. 0: never.",
     )
     require_stored_payloads: bool = Field(
         True,

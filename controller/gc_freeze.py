@@ -15,14 +15,20 @@ collections skip. :class:`HeapFreezer` uses it two ways, both set in ``StoreConf
 - ``gc_freeze_at_open`` (on by default): one ``gc.collect()`` and ``gc.freeze()`` when
   the first controller of the process opens, so the heap the process built before the
   run (its imports, the model, the dataset) is never walked again. What it holds back
-  is bounded: what was alive at that moment. It is skipped when the process froze
-  objects itself (``gc.get_freeze_count() > 0``): it manages its own freezes, and the
-  unfreeze below would undo them.
+  is bounded: what was alive at that moment.
 - ``gc_freeze_interval`` (0, off, by default): the same every ``interval`` events, so
   no collection walks more than one interval's objects, whatever the process keeps.
   Unbounded over a long run (see the price below), hence opt-in.
 
-The price: an object frozen while alive that later becomes unreachable *inside a
+Neither freezes anything in a process that had frozen objects itself before its first
+controller opened (``gc.get_freeze_count() > 0``): it manages its own freezes, and the
+last close's ``gc.unfreeze()`` would undo them. If the process freezes objects while a
+controller holds the freeze, the last close sees the count above what the controllers
+froze, leaves everything frozen and logs a warning (a freeze made after some frozen
+objects died can go unseen: a process that uses ``gc.freeze()`` should turn both off).
+
+Frozen objects are also missing from ``gc.get_objects()`` and ``gc.get_referrers()``
+until the unfreeze. The price: an object frozen while alive that later becomes unreachable *inside a
 reference cycle* is only reclaimed after ``gc.unfreeze()``. Objects freed by reference
 counting (the rollout state's groups and siblings, events, rows, most of what a
 process drops) are freed as usual. The freeze is process-wide; the last controller
@@ -33,12 +39,18 @@ gets everything collectable again.
 from __future__ import annotations
 
 import gc
+import logging
 import threading
 import time
 
-_lock = threading.Lock()
+log = logging.getLogger(__name__)
+
+# Process-wide, like the collector itself. Reentrant: a finalizer run by a collection
+# may close a controller on the same thread.
+_lock = threading.RLock()
 _holders = 0  # open freezers holding the process's freeze
-_owned = False  # the process's frozen objects are ours to unfreeze
+_owned = False  # nothing was frozen before the first holder: the holders may freeze
+_count_after = 0  # gc.get_freeze_count() right after the holders' latest freeze
 
 
 class HeapFreezer:
@@ -60,16 +72,19 @@ class HeapFreezer:
 
     @property
     def holding(self) -> bool:
-        """Whether this freezer holds the process's freeze (it unfreezes on the last close)."""
+        """Whether this freezer holds a share of the process's freeze (the last holder to
+        close unfreezes)."""
         return self._holding
 
     def start(self, seq: int) -> None:
-        """At open or restore: join the process's freeze, freezing where this is the first
-        holder (or on every open with an interval), and count the interval from ``seq``."""
-        if self.interval > 0:
+        """At open or restore: take a share of the process's freeze and freeze now if this
+        is its first holder (``at_open``) or an interval is set; count the interval from
+        ``seq``."""
+        if self.interval <= 0 and not self.at_open:
+            return
+        first = self._hold()
+        if first or self.interval > 0:
             self._freeze(seq)
-        elif self.at_open:
-            self._join()
 
     def after(self, seq: int) -> None:
         """Called with the newest offset after each command; freezes when due."""
@@ -78,48 +93,54 @@ class HeapFreezer:
         if self._since is None or seq - self._since >= self.interval:
             self._freeze(seq)
 
-    def _join(self) -> None:
+    def _hold(self) -> bool:
+        """Take a share; True if this is the first holder (it decides whether the
+        process's freeze is the holders' to make)."""
         global _holders, _owned
-        started = time.perf_counter()
         with _lock:
             if self._holding:
-                return
-            if _holders == 0:
-                if gc.get_freeze_count() > 0:
-                    return  # the process manages its own freezes: leave them alone
-                gc.collect()  # what is garbage now is not held back
-                gc.freeze()
-                _owned = True
-                self.freezes += 1
+                return False
             self._holding = True
             _holders += 1
-        self.max_freeze_s = max(self.max_freeze_s, time.perf_counter() - started)
+            if _holders > 1:
+                return False
+            _owned = gc.get_freeze_count() == 0
+            if not _owned:
+                log.info("the process froze objects itself: controllers freeze nothing")
+            return True
 
     def _freeze(self, seq: int) -> None:
-        global _holders, _owned
+        global _count_after
         self._since = seq
+        if not _owned:
+            return  # the process manages its own freezes
         started = time.perf_counter()
+        # Outside the lock: finalizers run here. Only what is new since the last freeze
+        # is walked.
+        gc.collect()
         with _lock:
-            if not self._holding:
-                if _holders == 0:
-                    _owned = gc.get_freeze_count() == 0
-                self._holding = True
-                _holders += 1
-            gc.collect()  # only the objects made since the last freeze are walked
             gc.freeze()
+            _count_after = gc.get_freeze_count()
         self.freezes += 1
         self.max_freeze_s = max(self.max_freeze_s, time.perf_counter() - started)
 
     def close(self) -> None:
-        """Leave the freeze; the last holder gives the frozen objects back to the collector
-        (unless the process had frozen objects of its own before the first holder)."""
+        """Give back the share; the last holder gives the frozen objects back to the
+        collector, unless the process froze objects itself (see the module docstring)."""
         global _holders, _owned
         with _lock:
             if not self._holding:
                 return
             self._holding = False
             _holders -= 1
-            if _holders == 0:
-                if _owned:
-                    gc.unfreeze()
-                _owned = False
+            if _holders > 0 or not _owned:
+                return
+            _owned = False
+            if gc.get_freeze_count() > _count_after:
+                log.warning(
+                    "objects were frozen outside rolloutlog while a controller held the "
+                    "freeze: leaving everything frozen (set store.gc_freeze_at_open: false "
+                    "and gc_freeze_interval: 0 in a process that calls gc.freeze())"
+                )
+                return
+            gc.unfreeze()

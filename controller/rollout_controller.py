@@ -678,9 +678,11 @@ class RolloutController:
         try:
             yield
         except BaseException:
-            self.committer.close(flush=False)
-            self._snapshots.shutdown(wait=False)
-            self.heap_freezer.close()
+            try:
+                self.committer.close(flush=False)
+            finally:
+                self._snapshots.shutdown(wait=False)
+                self.heap_freezer.close()
             raise
 
     def close(self) -> None:

@@ -116,17 +116,24 @@ async def train(args: argparse.Namespace) -> int:
                 store_config=store_cfg,
             )
         version = controller.state.weight_version
-        backend = TorchBackend(
-            (trainer.model, tokenizer),  # type: ignore[arg-type]
-            max_model_len=MAX_MODEL_LEN,
-            seed=args.seed,
-            weight_version=version,
-        )
-        runtime = RolloutRuntime(
-            controller, backend, prompts, GenerationConfig(max_in_flight_siblings=64, max_tokens=8)
-        )
-        await runtime.start()
         try:
+            backend = TorchBackend(
+                (trainer.model, tokenizer),  # type: ignore[arg-type]
+                max_model_len=MAX_MODEL_LEN,
+                seed=args.seed,
+                weight_version=version,
+            )
+            runtime = RolloutRuntime(
+                controller,
+                backend,
+                prompts,
+                GenerationConfig(max_in_flight_siblings=64, max_tokens=8),
+            )
+        except BaseException:
+            controller.close()  # nothing else owns it yet
+            raise
+        try:
+            await runtime.start()
             if ckpt is not None:  # the backend serves the restored trainer's weights
                 await runtime.sync_weights(trainer.named_weights(), version)
             for step in range(controller.state.train_step, args.steps):
@@ -148,9 +155,14 @@ async def train(args: argparse.Namespace) -> int:
                     msg["checkpoint_offset"] = offset
                 emit(msg)
         finally:
-            await runtime.close()
-            await backend.close()
-            controller.close()
+            # Each closes even if the one before it raised.
+            try:
+                await runtime.close()
+            finally:
+                try:
+                    await backend.close()
+                finally:
+                    controller.close()
     finally:
         store.close()
     return 0

@@ -8,6 +8,7 @@ invariant check, and the state's size follows live groups, not history.
 
 from __future__ import annotations
 
+import gc
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -29,6 +30,7 @@ from rolloutlog.bench.domain_bench import (
     workload_config,
 )
 from rolloutlog.cli import main
+from rolloutlog.controller import gc_freeze
 from rolloutlog.controller.domain import check_invariants
 from rolloutlog.controller.domain.state import Loan, Phase, RunState
 from rolloutlog.controller.rollout_controller import replay
@@ -51,8 +53,18 @@ TINY = DomainBenchSizes(
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One full benchmark run at tiny sizes (shared by the shape tests)."""
-    return run_domain_benchmark(TINY, db_dir=tmp_path_factory.mktemp("bench-domain"))
+    """One full benchmark run at tiny sizes (shared by the shape tests), in a process with
+    no heap freeze held, as a CLI run starts (the freeze is process-wide: a controller
+    another test left open must not decide the loop's runs)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gc_freeze, "_holders", 0)
+        mp.setattr(gc_freeze, "_owned", False)
+        mp.setattr(gc_freeze, "_count_after", 0)
+        gc.unfreeze()
+        try:
+            return run_domain_benchmark(TINY, db_dir=tmp_path_factory.mktemp("bench-domain"))
+        finally:
+            gc.unfreeze()
 
 
 def test_json_has_the_ratios_and_their_targets(result: dict[str, Any]) -> None:
@@ -323,6 +335,7 @@ def test_the_loop_part_took_snapshots_while_it_measured(result: dict[str, Any]) 
     assert loop["heap_freezes"] == 0 and loop["frozen_at_open"] is True
     unfrozen = loop["without_gc_freeze"]
     assert unfrozen["heap_freezes"] == 0 and unfrozen["frozen_at_open"] is False
+    assert unfrozen["frozen_objects"] == 0 and loop["frozen_objects"] > 0
     assert unfrozen["snapshots_written"] > 0
     assert (
         result["ratios"]["max_loop_pause_ms_without_gc_freeze"] == unfrozen["loop_pause_ms"]["max"]

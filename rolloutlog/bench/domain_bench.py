@@ -649,6 +649,11 @@ def _loop_pause_run(
         f"gc_freeze_interval={gc_freeze_interval})"
     )
     gc.collect()
+    if not gc_freeze_at_open and gc_freeze_interval == 0:
+        # The baseline must walk the whole heap: no freeze may be held (by this process's
+        # other controllers, or its own gc.freeze()).
+        held = gc.get_freeze_count()
+        _check(held == 0, f"{held} objects are frozen before the baseline run")
     ctl = build_buffered_run(
         _sqlite_url(root / f"loop-{label}.db"),
         "loop",
@@ -659,7 +664,8 @@ def _loop_pause_run(
         gc_freeze_interval=gc_freeze_interval,
         gc_freeze_at_open=gc_freeze_at_open,
     )
-    frozen_at_open = ctl.heap_freezer.holding and gc_freeze_interval == 0
+    frozen_at_open = gc_freeze_interval == 0 and ctl.heap_freezer.freezes > 0
+    frozen_objects = gc.get_freeze_count()
     try:
         say(f"loop ({label}): timing the full-state encoding baseline")
         encode_s = []
@@ -694,6 +700,7 @@ def _loop_pause_run(
         "snapshot_interval": interval,
         "snapshots_written": snapshots,
         "frozen_at_open": frozen_at_open,
+        "frozen_objects": frozen_objects,
         "heap_freezes": freezes,
         "max_heap_freeze_ms": freeze_ms,
         "log_events": events,

@@ -285,8 +285,14 @@ async def run_training(
             )
         first = controller.state.train_step
         version = controller.state.weight_version
-        backend = make_backend(cfg.backend, cfg, trainer.model, tokenizer, model_dir, version)
-        runtime = RolloutRuntime(controller, backend, prompts, cfg.generation)
+        try:
+            backend = make_backend(cfg.backend, cfg, trainer.model, tokenizer, model_dir, version)
+            runtime = RolloutRuntime(controller, backend, prompts, cfg.generation)
+        except BaseException:
+            # Nothing else owns the controller yet: its commit thread and its share of
+            # the process's heap freeze end here.
+            controller.close()
+            raise
         rewards: dict[int, float] = {}
         telemetry = None
         try:

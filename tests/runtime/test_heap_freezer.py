@@ -6,6 +6,8 @@ holding the freeze closes (a process-wide setting must not outlive its users).""
 from __future__ import annotations
 
 import gc
+import logging
+import threading
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +28,7 @@ def _no_freeze_held(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     process-wide: another test's open controller must not decide these)."""
     monkeypatch.setattr(gc_freeze, "_holders", 0)
     monkeypatch.setattr(gc_freeze, "_owned", False)
+    monkeypatch.setattr(gc_freeze, "_count_after", 0)
     gc.unfreeze()
     yield
     gc.unfreeze()
@@ -83,7 +86,10 @@ def test_an_open_that_fails_leaves_the_freeze(
     _close(first)
     assert gc.get_freeze_count() == 0
 
+    seen: list[tuple[int, int]] = []
+
     def refuse(self: RolloutController, command: object) -> None:
+        seen.append((self.heap_freezer.freezes, gc.get_freeze_count()))
         raise RuntimeError(f"injected: {type(command).__name__} refused")
 
     monkeypatch.setattr(RolloutController, "execute", refuse)
@@ -94,8 +100,10 @@ def test_an_open_that_fails_leaves_the_freeze(
             RolloutController.open(store, "run", store_config=StoreConfig(url=url))
     finally:
         store.close()
+    ((freezes, frozen),) = seen
+    assert freezes == 1 and frozen > 0  # the failed open had frozen the heap
     assert gc_freeze._holders == 0
-    assert gc.get_freeze_count() == 0  # frozen at the failed open, given back
+    assert gc.get_freeze_count() == 0  # and gave it back
 
 
 def test_off_nothing_is_frozen(tmp_path: Path) -> None:
@@ -115,21 +123,86 @@ def test_a_process_that_froze_objects_itself_is_left_alone(tmp_path: Path) -> No
     theirs = gc.get_freeze_count()
     ctl = _controller(tmp_path, "theirs")
     try:
-        assert ctl.heap_freezer.freezes == 0 and not ctl.heap_freezer.holding
+        assert ctl.heap_freezer.freezes == 0
         assert 0 < gc.get_freeze_count() <= theirs  # nothing of ours joined it
     finally:
         _close(ctl)
     assert gc.get_freeze_count() > 0  # not unfrozen on close either
 
 
-def test_an_interval_freezer_does_not_unfreeze_what_the_process_froze(tmp_path: Path) -> None:
+def test_an_interval_freezer_freezes_nothing_where_the_process_froze_first(
+    tmp_path: Path,
+) -> None:
     gc.freeze()
+    theirs = gc.get_freeze_count()
     ctl = _controller(tmp_path, "interval", 4)
     try:
-        assert ctl.heap_freezer.freezes == 1 and ctl.heap_freezer.holding
+        for _ in range(6):  # 18 events: four intervals
+            ctl.execute(AdmitStep())
+        assert ctl.heap_freezer.freezes == 0
+        assert 0 < gc.get_freeze_count() <= theirs  # it would grow without bound
     finally:
         _close(ctl)
     assert gc.get_freeze_count() > 0  # the process's own freeze stands
+
+
+def test_a_freeze_the_process_makes_while_held_is_not_undone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ctl = _controller(tmp_path, "later")
+    try:
+        assert ctl.heap_freezer.freezes == 1
+        theirs = [[] for _ in range(1000)]  # noqa: F841 - tracked, alive while frozen
+        gc.freeze()  # the process's own, after ours
+    finally:
+        with caplog.at_level(logging.WARNING, logger="rolloutlog.controller.gc_freeze"):
+            _close(ctl)
+    assert gc.get_freeze_count() > 0  # left frozen: an unfreeze would undo theirs
+    assert "frozen outside rolloutlog" in caplog.text
+
+
+def test_at_open_and_interval_freezers_share_one_freeze(tmp_path: Path) -> None:
+    a = _controller(tmp_path, "a")  # the first: freezes at open
+    b = _controller(tmp_path, "b", 4)  # an interval: freezes at open and every interval
+    try:
+        assert (a.heap_freezer.freezes, b.heap_freezer.freezes) == (1, 1)
+        for _ in range(4):  # 12 events
+            b.execute(AdmitStep())
+        assert b.heap_freezer.freezes == 1 + 12 // 6
+        a.close()
+        assert gc.get_freeze_count() > 0  # b still holds the freeze
+    finally:
+        _close(a, b)
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_finalizer_that_closes_a_controller_during_the_collection_does_not_deadlock() -> None:
+    held = HeapFreezer(0, at_open=True)
+    held.start(0)  # the first holder: freezes
+
+    class Closer:
+        other: object = None
+
+        def __del__(self) -> None:
+            held.close()
+
+    x, y = Closer(), Closer()
+    x.other, y.other = y, x
+    del x, y  # cyclic garbage whose finalizer closes `held`
+    joiner = HeapFreezer(1)
+    done = threading.Event()
+
+    def open_() -> None:
+        joiner.start(0)  # collects: the finalizer runs inside
+        done.set()
+
+    thread = threading.Thread(target=open_, daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    assert done.is_set(), "the open deadlocked on the freezer's lock"
+    assert not held.holding and joiner.holding and joiner.freezes == 1
+    joiner.close()
+    assert gc.get_freeze_count() == 0
 
 
 def test_cyclic_garbage_at_open_is_collected_before_the_freeze() -> None:
