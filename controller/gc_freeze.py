@@ -28,12 +28,12 @@ froze, leaves everything frozen and logs a warning (a freeze made after some fro
 objects died can go unseen: a process that uses ``gc.freeze()`` should turn both off).
 
 Frozen objects are also missing from ``gc.get_objects()`` and ``gc.get_referrers()``
-until the unfreeze. The price: an object frozen while alive that later becomes unreachable *inside a
-reference cycle* is only reclaimed after ``gc.unfreeze()``. Objects freed by reference
-counting (the rollout state's groups and siblings, events, rows, most of what a
-process drops) are freed as usual. The freeze is process-wide; the last controller
-holding it to close calls ``gc.unfreeze()``, so a process that closes its controllers
-gets everything collectable again.
+until the unfreeze. The price: an object frozen while alive that later becomes
+unreachable *inside a reference cycle* is only reclaimed after ``gc.unfreeze()``.
+Objects freed by reference counting (the rollout state's groups and siblings, events,
+rows, most of what a process drops) are freed as usual. The freeze is process-wide;
+the last controller holding it to close calls ``gc.unfreeze()``, so a process that
+closes its controllers gets everything collectable again.
 """
 
 from __future__ import annotations

@@ -291,7 +291,7 @@ async def run_training(
         except BaseException:
             # Nothing else owns the controller yet: its commit thread and its share of
             # the process's heap freeze end here.
-            controller.close()
+            await _close_quietly(None, None, controller, None)
             raise
         rewards: dict[int, float] = {}
         telemetry = None
@@ -413,20 +413,23 @@ def fenced_cause(exc: BaseException) -> EpochFencedError | None:
 
 
 async def _close_quietly(
-    runtime: RolloutRuntime,
-    backend: GenerationBackend,
+    runtime: RolloutRuntime | None,
+    backend: GenerationBackend | None,
     controller: RolloutController,
     telemetry: Any,
 ) -> None:
-    """Close everything after an error; a close error is logged, the first error wins."""
+    """Close everything made so far (None: not made) after an error; a close error is
+    logged, the first error wins."""
     if telemetry is not None:
         telemetry.close()  # logs its own errors, never raises
     try:
-        await runtime.close()
+        if runtime is not None:
+            await runtime.close()
     except Exception:
         log.warning("closing the runtime after an error failed too", exc_info=True)
     try:
-        await backend.close()
+        if backend is not None:
+            await backend.close()
     except Exception:
         log.warning("closing the backend after an error failed too", exc_info=True)
     try:
