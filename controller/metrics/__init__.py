@@ -1,8 +1,9 @@
 """Metrics as projections of the log: one fold, served live or recomputed offline.
 
-- :class:`MetricsProjection` (``projection``): the fold over events; the only code that
-  turns events into metric values. :func:`project_history` recomputes it for any stored
-  run and offset range.
+- :class:`MetricsProjection` (``fold``): the fold over events; the only code that turns
+  events into metric values, named by the catalog (``catalog``: :data:`METRICS`) and
+  rendered by ``exposition``. :func:`project_history` (``ranges``) recomputes it for any
+  stored run and offset range. ``projection`` re-exports these.
 - :class:`LiveMetrics` / :class:`LogTailer` (``live``): keep a projection current beside
   a controller (listener) or by polling the log; both roll back when a restore changes
   the history.
@@ -28,6 +29,7 @@ from .live import (
 )
 from .projection import (
     METRICS,
+    BucketCounts,
     EventMeta,
     Family,
     Histogram,
@@ -53,6 +55,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "METRICS",
+    "BucketCounts",
     "EmbeddedTelemetry",
     "EventMeta",
     "ExporterHandle",

@@ -23,8 +23,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from .exposition import Family
+from .histogram import BucketCounts
 from .live import MetricsSource
-from .projection import Family, Histogram
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def render_families(name: str, parts: Sequence[tuple[Family, dict[str, str]]]) -
         for sample in fam.samples:
             values = [extra.get(k, "") for k in extra_names]
             values += [sample.labels[k] for k in info.labels]
-            if isinstance(sample.value, Histogram):
+            if isinstance(sample.value, BucketCounts):
                 assert isinstance(metric, HistogramMetricFamily)
                 metric.add_metric(
                     values,

@@ -24,7 +24,7 @@ from typing import Any
 from rolloutlog.eventstore import EventStore
 
 from ..domain.events import CODEC, GroupSelected, RunRestored, RunResumed, SiblingCompleted
-from .projection import project_history
+from .ranges import project_history
 
 
 class ReportError(RuntimeError):

@@ -43,7 +43,7 @@ from rolloutlog.eventstore.compaction import (
 )
 
 from ..snapshot_encoder import decode_snapshot
-from .projection import MetricsProjection, WorkTotals
+from .fold import MetricsProjection, WorkTotals
 
 log = logging.getLogger(__name__)
 

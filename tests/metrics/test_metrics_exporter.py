@@ -15,13 +15,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from rolloutlog.controller.domain.events import GroupCommitted
 from rolloutlog.controller.metrics import (
     METRICS,
+    BucketCounts,
     Family,
-    Histogram,
     LogTailer,
     project_history,
     start_exporter,
 )
-from rolloutlog.controller.metrics import projection as projection_module
+from rolloutlog.controller.metrics import fold as projection_module
 from rolloutlog.eventstore import EventStore
 
 Key = tuple[str, tuple[tuple[str, str], ...]]
@@ -52,7 +52,7 @@ def expected(families: list[Family]) -> dict[Key, float]:
     for fam in families:
         for s in fam.samples:
             labels = tuple(sorted(s.labels.items()))
-            if isinstance(s.value, Histogram):
+            if isinstance(s.value, BucketCounts):
                 for le, n in s.value.cumulative():
                     out[(f"{fam.name}_bucket", tuple(sorted((*labels, ("le", le)))))] = n
                 out[(f"{fam.name}_count", labels)] = s.value.count

@@ -30,7 +30,13 @@ from rolloutlog.controller.domain.events import (
     StepTrained,
     WeightsPublished,
 )
-from rolloutlog.controller.metrics import METRICS, EventMeta, Histogram, MetricsProjection
+from rolloutlog.controller.metrics import (
+    METRICS,
+    BucketCounts,
+    EventMeta,
+    Histogram,
+    MetricsProjection,
+)
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
 
@@ -91,7 +97,7 @@ def counter(proj: MetricsProjection, name: str, **labels: str) -> float:
         if fam.name == name:
             for s in fam.samples:
                 if dict(s.labels) == labels:
-                    assert not isinstance(s.value, Histogram)
+                    assert not isinstance(s.value, BucketCounts)
                     return s.value
     raise AssertionError(f"no sample {name}{labels}")
 
@@ -281,6 +287,25 @@ def test_events_by_type_and_abort() -> None:
     assert sum(s["value"] for s in p.values()["counters"]["rollout_events_total"]) == feed.offset
 
 
+def test_every_event_type_is_exported_at_zero_before_its_first_event() -> None:
+    """A counter series that first appears at 1 is never counted by Prometheus's
+    ``increase()`` (issue 31.9: RunRestored 0 of 1): every type is there from the start,
+    also on a projection read back from a snapshot written without some types."""
+    from rolloutlog.controller.domain.events import CODEC
+    from rolloutlog.controller.metrics.fold import WorkTotals
+
+    fresh = MetricsProjection()
+    assert counter(fresh, "rollout_events_total", type="RunRestored") == 0
+    assert counter(fresh, "rollout_events_total", type="SiblingAborted") == 0
+    types = {s.labels["type"] for f in fresh.families() if f.name == "rollout_events_total"
+             for s in f.samples}  # fmt: skip
+    assert types == set(CODEC.types)
+    data = WorkTotals().to_snapshot()
+    data["events_by_type"] = [["RunStarted", 1]]  # an older snapshot: seen types only
+    back = WorkTotals.from_snapshot(data)
+    assert back.events_by_type["RunRestored"] == 0 and back.events_by_type["RunStarted"] == 1
+
+
 def test_offsets_must_increase_and_history_segments_are_tracked() -> None:
     feed = Feeder()
     start(feed)
@@ -319,9 +344,13 @@ def test_histogram_buckets() -> None:
     for v in (0, 0, 1, 2, 7):
         h.observe(v)
     assert h.cumulative() == [("0", 2), ("1", 3), ("2.5", 4), ("+Inf", 5)]
-    assert (h.count, h.total, h.min, h.max) == (5, 10, 0, 7)
+    counts = h.copy()
+    assert (counts.count, counts.total, counts.min, counts.max) == (5, 10, 0, 7)
     with pytest.raises(ValueError):
         Histogram((1, 1))
+    # The fold's histograms come from exact distributions (value -> occurrences).
+    exact = BucketCounts.of_values({0: 2, 1: 1, 2: 1, 7: 1}, (0, 1, 2.5))
+    assert exact == BucketCounts((0, 1, 2.5), (2, 1, 1, 1), 10, 5, 0, 7)
 
 
 def test_metric_names_are_user_vocabulary() -> None:
