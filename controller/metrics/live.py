@@ -762,37 +762,57 @@ def start_embedded_telemetry(
     write per-step scalars to TensorBoard under ``tensorboard_dir`` and to any other
     ``step_sinks``.
 
-    Telemetry never stops a run: any failure (the port is taken, ...) is logged with
-    its cause and None is returned; the run goes on without telemetry.
+    Telemetry never stops a run, and one part failing leaves the others on: a port that
+    is taken, or TensorBoard without tensorboardX, is logged as one line naming the cause
+    and the run goes on with the rest (None when nothing is left to do); an unexpected
+    failure is logged with its traceback.
     """
     live = LiveMetrics()
     handle: ExporterHandle | None = None
-    try:
-        from .exporter import start_exporter
+    if tensorboard_dir is not None:
+        from .steps import TensorBoardSink, TensorBoardUnavailableError
 
-        if tensorboard_dir is not None:
-            from .steps import TensorBoardSink
-
+        try:
             board = TensorBoardSink(tensorboard_dir)
             live.add_step_sink(board, board.written_offsets())
+        except (TensorBoardUnavailableError, OSError) as exc:
+            log.error("TensorBoard files are not written to %s: %s", tensorboard_dir, exc)
+    try:
         for sink in step_sinks:
             live.add_step_sink(sink)
-        live.attach(controller, runtime, background=True)
-        if recovery is not None:
-            live.observe_restore(recovery)
+        if live._publishers or serve:
+            live.attach(controller, runtime, background=True)
+            if recovery is not None:
+                live.observe_restore(recovery)
         if serve:
-            handle = start_exporter(live, port, addr=addr)
+            from .exporter import start_exporter
+
+            try:
+                handle = start_exporter(live, port, addr=addr)
+            except OSError as exc:
+                log.error(
+                    "the metrics exporter cannot listen on %s:%s (%s); the run goes on "
+                    "without it%s",
+                    addr,
+                    port,
+                    exc.strerror or exc,
+                    "; the per-step sinks (TensorBoard) keep writing" if live._publishers else "",
+                )
     except Exception:
         log.exception(
             "telemetry could not start on %s:%s; the run goes on without metrics export",
             addr,
             port,
         )
+        handle = None
         try:
             live.close_step_sinks()
             live.detach()
         except Exception:
             log.exception("detaching the metrics listener failed")
+        return None
+    if handle is None and not live._publishers:
+        live.detach()
         return None
     if handle is not None:
         log.info("serving rollout metrics of run %s at %s", controller.run_id, handle.url)

@@ -7,8 +7,8 @@ consistent with the history across restores: a step is written once; when a rest
 re-trains steps that were already written (in the abandoned branch), the sink is first
 told to ``purge(from_step)``, then the history's steps are written again.
 
-:class:`TensorBoardSink` writes TensorBoard event files itself (the TFRecord framing and
-the few protobuf fields of a scalar event), so it needs no dependency. Its purge is
+:class:`TensorBoardSink` writes TensorBoard event files with tensorboardX (the
+``tensorboard`` extra: ``pip install 'rolloutlog[tensorboard]'``). Its purge is
 TensorBoard's own: a ``SessionLog.START`` event at step N makes TensorBoard drop the
 events of steps >= N written before it (``purge_step`` in other writers). Each step also
 records the log offset of its ``StepTrained`` event (tag ``rollout/offset``): a new
@@ -28,14 +28,16 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import struct
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
-from .projection import MetricsProjection, StepRow
+from .fold import MetricsProjection, StepRow
+
+#: A ``tensorboardX.proto.event_pb2.Event`` (tensorboardX is optional and untyped).
+Event = Any
 
 log = logging.getLogger(__name__)
 
@@ -118,85 +120,47 @@ class StepPublisher:
 
 
 # ---------------------------------------------------------------------------- TensorBoard
-def _crc32c_table() -> list[int]:
-    table = []
-    for n in range(256):
-        c = n
-        for _ in range(8):
-            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
-        table.append(c)
-    return table
+#: What a missing tensorboardX says (one line, naming the extra).
+TENSORBOARD_MISSING = (
+    "TensorBoard files need tensorboardX, which is not installed: "
+    "pip install 'rolloutlog[tensorboard]'"
+)
 
 
-_CRC_TABLE = _crc32c_table()
+class TensorBoardUnavailableError(ImportError):
+    """tensorboardX is not installed (the ``tensorboard`` extra)."""
 
 
-def crc32c(data: bytes) -> int:
-    """CRC-32C (Castagnoli), as TFRecord framing uses it."""
-    crc = 0xFFFFFFFF
-    for byte in data:
-        crc = _CRC_TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
-    return crc ^ 0xFFFFFFFF
+def _tensorboardx() -> Any:
+    """The tensorboardX modules the sink uses (raises :class:`TensorBoardUnavailableError`).
 
+    Importing tensorboardX sets ``CRC32C_SW_MODE`` in ``os.environ`` when it is unset;
+    library code changes nothing process-wide, so that is undone here."""
+    unset = "CRC32C_SW_MODE" not in os.environ
+    try:
+        import tensorboardX.event_file_writer as writer
+        import tensorboardX.record_writer as records
+        from tensorboardX.proto import event_pb2, summary_pb2
+    except ImportError as exc:
+        raise TensorBoardUnavailableError(TENSORBOARD_MISSING) from exc
+    finally:
+        if unset:
+            os.environ.pop("CRC32C_SW_MODE", None)
 
-def _masked(data: bytes) -> int:
-    crc = crc32c(data)
-    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+    class Modules:
+        EventsWriter = writer.EventsWriter
+        masked_crc32c = records.masked_crc32c
+        Event = event_pb2.Event
+        SessionLog = event_pb2.SessionLog
+        Summary = summary_pb2.Summary
 
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    n &= (1 << 64) - 1
-    while True:
-        byte = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def _field(number: int, wire: int, payload: bytes) -> bytes:
-    return _varint((number << 3) | wire) + payload
-
-
-def _bytes_field(number: int, data: bytes) -> bytes:
-    return _field(number, 2, _varint(len(data)) + data)
-
-
-def encode_event(
-    wall_time: float,
-    step: int,
-    *,
-    scalars: Mapping[str, float] | None = None,
-    file_version: str | None = None,
-    session_start: bool = False,
-) -> bytes:
-    """One ``tensorflow.Event`` protobuf: scalars (``Summary.Value.simple_value``), the
-    file version header, or a ``SessionLog`` START (TensorBoard's purge marker)."""
-    out = _field(1, 1, struct.pack("<d", wall_time)) + _field(2, 0, _varint(step))
-    if file_version is not None:
-        out += _bytes_field(3, file_version.encode())
-    if scalars is not None:
-        summary = b"".join(
-            _bytes_field(1, _bytes_field(1, tag.encode()) + _field(2, 5, struct.pack("<f", v)))
-            for tag, v in scalars.items()
-        )
-        out += _bytes_field(5, summary)
-    if session_start:
-        out += _bytes_field(7, _field(1, 0, _varint(1)))  # session_log: SessionLog{START}
-    return out
-
-
-def frame(record: bytes) -> bytes:
-    """A TFRecord: length, masked CRC of the length, data, masked CRC of the data."""
-    length = struct.pack("<Q", len(record))
-    return length + struct.pack("<I", _masked(length)) + record + struct.pack("<I", _masked(record))
+    return Modules
 
 
 def read_records(path: Path) -> Iterator[bytes]:
-    """The records of a TFRecord file (CRCs checked; a torn tail, from a crash, ends it)."""
+    """The records of a TFRecord file (CRCs checked with tensorboardX's CRC-32C; a torn
+    tail, from a crash, ends it)."""
+    masked = _tensorboardx().masked_crc32c
     data = path.read_bytes()
     pos = 0
     while pos + 12 <= len(data):
@@ -204,71 +168,32 @@ def read_records(path: Path) -> Iterator[bytes]:
         (length,) = struct.unpack("<Q", length_bytes)
         (length_crc,) = struct.unpack("<I", data[pos + 8 : pos + 12])
         end = pos + 12 + length + 4
-        if length_crc != _masked(length_bytes) or end > len(data):
+        if length_crc != masked(length_bytes) or end > len(data):
             return
         record = data[pos + 12 : pos + 12 + length]
         (crc,) = struct.unpack("<I", data[end - 4 : end])
-        if crc != _masked(record):
+        if crc != masked(record):
             return
         yield record
         pos = end
 
 
-def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
-    shift = value = 0
-    while True:
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if not byte & 0x80:
-            return value, pos
+def read_events(path: Path) -> Iterator[Event]:
+    """The ``Event`` protobufs of one event file."""
+    event_class = _tensorboardx().Event
+    for record in read_records(path):
+        yield event_class.FromString(record)
 
 
-def _fields(data: bytes) -> Iterator[tuple[int, int, bytes | int]]:
-    pos = 0
-    while pos < len(data):
-        key, pos = _read_varint(data, pos)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            value, pos = _read_varint(data, pos)
-            yield number, wire, value
-        elif wire == 1:
-            yield number, wire, data[pos : pos + 8]
-            pos += 8
-        elif wire == 5:
-            yield number, wire, data[pos : pos + 4]
-            pos += 4
-        elif wire == 2:
-            length, pos = _read_varint(data, pos)
-            yield number, wire, data[pos : pos + length]
-            pos += length
-        else:
-            raise ValueError(f"unsupported protobuf wire type {wire}")
+def is_purge(event: Event) -> bool:
+    """Whether ``event`` is TensorBoard's purge marker (``SessionLog.START``)."""
+    start = _tensorboardx().SessionLog.START
+    return bool(event.HasField("session_log") and event.session_log.status == start)
 
 
-def decode_event(record: bytes) -> tuple[float, int, dict[str, float], bool]:
-    """``(wall_time, step, scalars, session_start)`` of an event :func:`encode_event` wrote."""
-    wall_time, step, scalars, start = 0.0, 0, {}, False
-    for number, _wire, value in _fields(record):
-        if number == 1 and isinstance(value, bytes):
-            (wall_time,) = struct.unpack("<d", value)
-        elif number == 2 and isinstance(value, int):
-            step = value
-        elif number == 5 and isinstance(value, bytes):
-            for vnum, _, item in _fields(value):
-                if vnum != 1 or not isinstance(item, bytes):
-                    continue
-                tag, number_value = "", 0.0
-                for inum, _, part in _fields(item):
-                    if inum == 1 and isinstance(part, bytes):
-                        tag = part.decode()
-                    elif inum == 2 and isinstance(part, bytes):
-                        (number_value,) = struct.unpack("<f", part)
-                scalars[tag] = number_value
-        elif number == 7 and isinstance(value, bytes):
-            start = any(n == 1 and v == 1 for n, _, v in _fields(value))
-    return wall_time, step, scalars, start
+def event_scalars(event: Event) -> dict[str, float]:
+    """The scalars of one event (tag -> value)."""
+    return {v.tag: v.simple_value for v in event.summary.value if v.HasField("simple_value")}
 
 
 def read_scalars(directory: Path) -> dict[int, dict[str, float]]:
@@ -276,27 +201,32 @@ def read_scalars(directory: Path) -> dict[int, dict[str, float]]:
     a ``SessionLog.START`` at step N dropping the steps >= N read before it."""
     out: dict[int, dict[str, float]] = {}
     for path in sorted(directory.glob("events.out.tfevents.*")):
-        for record in read_records(path):
-            _t, step, scalars, start = decode_event(record)
-            if start:
-                out = {s: v for s, v in out.items() if s < step}
+        for event in read_events(path):
+            if is_purge(event):
+                out = {s: v for s, v in out.items() if s < event.step}
+            scalars = event_scalars(event)
             if scalars:
-                out.setdefault(step, {}).update(scalars)
+                out.setdefault(event.step, {}).update(scalars)
     return out
 
 
 class TensorBoardSink:
-    """Writes per-step scalars as TensorBoard event files under ``directory`` (one new
-    file per process, ``events.out.tfevents.<time>.<host>.<pid>``)."""
+    """Writes per-step scalars as TensorBoard event files under ``directory`` with
+    tensorboardX: one new file per process, each event written and flushed at once (no
+    writer thread). Raises :class:`TensorBoardUnavailableError` without tensorboardX."""
 
     def __init__(self, directory: Path) -> None:
+        self._tbx = _tensorboardx()
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
-        now = time.time()
-        name = f"events.out.tfevents.{now:017.6f}.{socket.gethostname()}.{os.getpid()}"
-        self.path = directory / name
-        self._file = self.path.open("ab")
-        self._write(encode_event(now, 0, file_version="brain.Event:2"))
+        # tensorboardX names files by the second; TensorBoard reads them in name order,
+        # so the microseconds (then the pid) order two processes of the same second.
+        micros = int(time.time() % 1 * 1_000_000)
+        self._writer = self._tbx.EventsWriter(
+            str(directory / "events"), filename_suffix=f".{micros:06d}.{os.getpid()}"
+        )
+        self._writer.flush()
+        self.path = Path(self._writer._file_name)
 
     def written_offsets(self) -> dict[int, float]:
         """step -> log offset of the steps the directory already holds (for a new
@@ -307,18 +237,22 @@ class TensorBoardSink:
             if OFFSET_TAG in scalars
         }
 
-    def _write(self, record: bytes) -> None:
-        self._file.write(frame(record))
-        self._file.flush()
+    def _write(self, event: Event) -> None:
+        self._writer.write_event(event)
+        self._writer.flush()
 
     def write_step(self, step: int, scalars: Mapping[str, float], wall_time: float) -> None:
         """One scalar event per step, all tags in it."""
-        self._write(encode_event(wall_time, step, scalars=scalars))
+        summary = self._tbx.Summary(
+            value=[self._tbx.Summary.Value(tag=k, simple_value=v) for k, v in scalars.items()]
+        )
+        self._write(self._tbx.Event(wall_time=wall_time, step=step, summary=summary))
 
     def purge(self, from_step: int) -> None:
         """TensorBoard drops the steps >= ``from_step`` written before this marker."""
-        self._write(encode_event(time.time(), from_step, session_start=True))
+        start = self._tbx.SessionLog(status=self._tbx.SessionLog.START)
+        self._write(self._tbx.Event(wall_time=time.time(), step=from_step, session_log=start))
 
     def close(self) -> None:
         """Close the file."""
-        self._file.close()
+        self._writer.close()

@@ -6,7 +6,8 @@ same per-step dict for any other tracker."""
 from __future__ import annotations
 
 import os
-import struct
+import socket
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -16,12 +17,13 @@ from test_prometheus_counters import RUN, Worker
 from rolloutlog.controller.metrics import ProjectionFollower, project_history
 from rolloutlog.controller.metrics.steps import (
     OFFSET_TAG,
+    TENSORBOARD_MISSING,
     StepPublisher,
-    crc32c,
-    decode_event,
-    encode_event,
-    frame,
-    read_records,
+    TensorBoardSink,
+    TensorBoardUnavailableError,
+    event_scalars,
+    is_purge,
+    read_events,
     read_scalars,
     step_scalars,
 )
@@ -29,15 +31,44 @@ from rolloutlog.eventstore import EventStore
 from rolloutlog.grpo.run_config import RunConfig
 
 
-def test_the_event_file_format() -> None:
-    assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
-    record = encode_event(12.5, 7, scalars={"rollout/reward_mean": 0.25, "a/b": 3.0})
-    assert decode_event(record) == (12.5, 7, {"rollout/reward_mean": 0.25, "a/b": 3.0}, False)
-    purge = encode_event(1.0, 4, session_start=True)
-    assert decode_event(purge)[1:] == (4, {}, True)
-    framed = frame(record)
-    (length,) = struct.unpack("<Q", framed[:8])
-    assert length == len(record) and len(framed) == len(record) + 16
+def test_tensorboard_reads_what_the_sink_writes_with_a_purge(tmp_path: Path) -> None:
+    """The sink writes with tensorboardX; TensorBoard's own reader shows the scalars, and
+    the purge marker drops the steps written before it from its step on."""
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    env_before = dict(os.environ)
+    sink = TensorBoardSink(tmp_path)
+    for step in range(4):
+        sink.write_step(step, {"rollout/reward_mean": step / 4, OFFSET_TAG: 10.0 + step}, 1e9)
+    sink.purge(2)
+    sink.write_step(2, {"rollout/reward_mean": 0.9, OFFSET_TAG: 20.0}, 1e9)
+    sink.close()
+    assert dict(os.environ) == env_before  # importing tensorboardX changed nothing
+    acc = accumulator.EventAccumulator(str(tmp_path), purge_orphaned_data=True)
+    acc.Reload()
+    shown = [(e.step, e.value) for e in acc.Scalars("rollout/reward_mean")]
+    assert shown == [(0, 0.0), (1, 0.25), (2, pytest.approx(0.9))]
+    assert read_scalars(tmp_path) == {
+        0: {"rollout/reward_mean": 0.0, OFFSET_TAG: 10.0},
+        1: {"rollout/reward_mean": 0.25, OFFSET_TAG: 11.0},
+        2: {"rollout/reward_mean": pytest.approx(0.9), OFFSET_TAG: 20.0},
+    }
+    # A torn tail (a crash mid-write) ends the file; what came before is read: here the
+    # purge marker stands, the step written after it is lost.
+    (path,) = tmp_path.glob("events.out.tfevents.*")
+    path.write_bytes(path.read_bytes()[:-3])
+    assert sorted(read_scalars(tmp_path)) == [0, 1]
+
+
+def test_without_tensorboardx_the_sink_says_which_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in [m for m in sys.modules if m == "tensorboardX" or m.startswith("tensorboardX.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import fails
+    with pytest.raises(TensorBoardUnavailableError) as err:
+        TensorBoardSink(tmp_path)
+    assert str(err.value) == TENSORBOARD_MISSING
+    assert "rolloutlog[tensorboard]" in TENSORBOARD_MISSING and "\n" not in TENSORBOARD_MISSING
 
 
 @pytest.fixture(scope="module")
@@ -100,13 +131,56 @@ def test_one_value_per_step_of_the_history_after_a_restore(
     # the second starts with TensorBoard's purge marker at step 5 and writes steps 5..
     # only: steps already written are not written again.
     first, second = sorted(board.glob("events.out.tfevents.*"))
-    first_steps = [decode_event(r) for r in read_records(first)]
-    assert {e[1] for e in first_steps if e[2]} >= set(range(8))
-    events = [decode_event(r) for r in read_records(second)]
-    purges = [e[1] for e in events if e[3]]
-    written = [e[1] for e in events if e[2]]
+    first_steps = list(read_events(first))
+    assert {e.step for e in first_steps if event_scalars(e)} >= set(range(8))
+    events = list(read_events(second))
+    purges = [e.step for e in events if is_purge(e)]
+    written = [e.step for e in events if event_scalars(e)]
     assert purges == [5]
     assert written == list(range(5, cfg.steps))
+
+
+@pytest.mark.slow
+def test_a_taken_exporter_port_is_one_line_and_tensorboard_keeps_writing(
+    tmp_path: Path,
+) -> None:
+    """Issue 31.9: the exporter's port is taken. The run goes on, the error is one line
+    naming the address and the cause (no traceback), and TensorBoard still gets every
+    step."""
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    cfg = RunConfig.model_validate(
+        {
+            "steps": 6,
+            "checkpoint_every": 5,
+            "checkpoint_dir": str(tmp_path / "checkpoints"),
+            "backend": "deterministic",
+            "model": {"dir": str(tmp_path / "model")},
+            "store": {"url": f"sqlite:///{tmp_path / 'log.db'}"},
+            "telemetry": {"enabled": True, "port": port, "tensorboard_dir": str(tmp_path / "tb")},
+            "task": {"num_prompts": 100},
+        }
+    )
+    worker = Worker(cfg, "fresh", tmp_path)
+    try:
+        while worker.next()["event"] != "done":
+            pass
+        assert worker.proc.wait(timeout=60) == 0
+    finally:
+        worker.close()
+        holder.close()
+    stderr = (tmp_path / "worker-fresh.err").read_text()
+    assert "Traceback" not in stderr, stderr
+    about_port = [line for line in stderr.splitlines() if str(port) in line]
+    assert len(about_port) == 1, stderr
+    assert f"the metrics exporter cannot listen on 127.0.0.1:{port}" in about_port[0]
+    assert "keep writing" in about_port[0]
+    acc = accumulator.EventAccumulator(str(tmp_path / "tb" / RUN), purge_orphaned_data=True)
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("rollout/epoch")] == list(range(cfg.steps))
 
 
 class RecordingSink:
