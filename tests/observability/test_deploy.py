@@ -73,3 +73,81 @@ def test_the_dashboard_uses_documented_metrics_and_the_run_variable() -> None:
             assert name in known or base in known, (title, name)
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
+
+
+def test_dashboard_queries_count_a_run_once_when_both_exporters_are_scraped(
+    tmp_path: Path,
+) -> None:
+    """Issue 31.9: docs/metrics.md describes scraping the trainer's embedded exporter and
+    ``serve-metrics`` together; they serve the same values for a run (the same log), so
+    every panel must show one series per run with the value of one exporter, not their
+    sum. And the staleness quantiles are exact: every selected group 1 version behind
+    shows p50 = p90 = 1 (histogram_quantile alone interpolates 0.5 and 0.9).
+
+    Evaluated by ``promtool test rules`` (promql_expr_test) on series of two targets,
+    scraped every 15 s: counters grow by 1/s, gauges are 5, every staleness is 1, every
+    append takes 0.5-1 ms, the newest event is 10 s old at the evaluation."""
+    from rolloutlog.controller.metrics.catalog import STALENESS_BUCKETS
+    from rolloutlog.controller.metrics.histogram import _le
+    from rolloutlog.controller.metrics.live import APPEND_BUCKETS
+
+    targets = (("embedded", "127.0.0.1:9400"), ("serve", "127.0.0.1:9401"))
+    metric_labels = {
+        "rollout_groups_evicted_total": 'reason="stale",recovered="true",',
+        "rollout_prompts_dropped_total": 'outcome="replaced",',
+    }
+    queries = dashboard_queries()
+    names = {n for _, expr in queries for n in re.findall(r"\b(rollout_[a-z_]+)", expr)}
+    series: list[dict[str, str]] = []
+
+    def add(name: str, labels: str, values: str) -> None:
+        for job, instance in targets:
+            selector = f'{name}{{{labels}job="{job}",instance="{instance}",run_id="r"}}'
+            series.append({"series": selector, "values": values})
+
+    for name in sorted(names):
+        if name == "rollout_selected_group_staleness_bucket":
+            for bound in (*STALENESS_BUCKETS, float("inf")):
+                add(name, f'le="{_le(bound)}",', "0x40" if bound < 1 else "0+15x40")
+        elif name == "rollout_log_append_seconds_bucket":
+            for bound in (*APPEND_BUCKETS, float("inf")):
+                add(name, f'le="{_le(bound)}",', "0x40" if bound < 0.001 else "0+15x40")
+        elif name == "rollout_last_event_timestamp_seconds":
+            add(name, "", "290x40")
+        elif name.endswith("_total"):
+            add(name, metric_labels.get(name, ""), "0+15x40")
+        else:
+            add(name, "", "5x40")
+    tests = []
+    for title, expr in queries:
+        if "histogram_quantile(0.99" in expr:
+            want = 0.0005 + 0.99 * 0.0005  # interpolated inside (0.0005, 0.001]
+        elif "ceil(histogram_quantile(" in expr:
+            want = 1.0
+        elif expr.startswith("time() -"):
+            want = 10.0
+        elif "rate(" in expr:
+            want = 1.0
+        elif "increase(" in expr:
+            want = 60.0
+        elif re.search(r"\brollout_[a-z_]+_total\b", expr):
+            want = 300.0  # the counter at 5 minutes
+        else:
+            want = 5.0
+        by = re.search(r"\bby \(([^)]*)\)", expr)
+        assert by is not None, (title, expr)
+        keys = [k.strip() for k in by.group(1).split(",") if k.strip() != "le"]
+        known = {"run_id": "r", "reason": "stale", "recovered": "true", "outcome": "replaced"}
+        labels = "{" + ",".join(f'{k}="{known[k]}"' for k in keys) + "}"
+        tests.append(
+            {"expr": expr, "eval_time": "5m", "exp_samples": [{"labels": labels, "value": want}]}
+        )
+    spec = {
+        "rule_files": [str(RULES)],
+        "evaluation_interval": "15s",
+        "tests": [{"interval": "15s", "input_series": series, "promql_expr_test": tests}],
+    }
+    path = tmp_path / "dashboard.test.yml"
+    path.write_text(json.dumps(spec))  # JSON is YAML
+    run = _promtool("test", "rules", str(path))
+    assert run.returncode == 0, run.stdout + run.stderr
