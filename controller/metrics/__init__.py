@@ -28,6 +28,7 @@ from .live import (
     start_embedded_telemetry,
 )
 from .projection import (
+    EVENT_TYPES,
     METRICS,
     BucketCounts,
     EventMeta,
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
     from .exporter import ExporterHandle, start_exporter
 
 __all__ = [
+    "EVENT_TYPES",
     "METRICS",
     "BucketCounts",
     "EmbeddedTelemetry",

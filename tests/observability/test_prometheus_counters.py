@@ -239,9 +239,39 @@ def _check(prom: Any, url: str, last_seq: int) -> None:
     finally:
         store.close()
     assert checked >= len(counters)
+    _check_first_events_counted(prom, at, offset_points)
     c, h = whole["counters"], whole["history_counters"]
     assert c["rollout_groups_trained_total"] > h["rollout_groups_trained_total"]
     assert c["rollout_restores_total"] == 1
+
+
+def _check_first_events_counted(
+    prom: Any, at: float, offset_points: list[tuple[float, float]]
+) -> None:
+    """Issue 31.9: every event type is exported from the first scrape on, at 0 before its
+    first event, so Prometheus's ``increase()`` over the run counts the restore (a series
+    born at 1 reads as no increase)."""
+    from rolloutlog.controller.metrics import EVENT_TYPES
+
+    first_scrape = offset_points[0][0]
+    by_type = {
+        dict(labels)["type"]: pts
+        for labels, pts in _samples(prom, 'rollout_events_total{job="serve"}', at).items()
+    }
+    assert set(by_type) == set(EVENT_TYPES)
+    assert {pts[0][0] for pts in by_type.values()} == {first_scrape}
+    assert by_type["RunRestored"][0][1] == 0 and by_type["RunRestored"][-1][1] == 1
+    for job in ("serve", "embedded"):
+        (points,) = _samples(prom, f'rollout_log_offset{{job="{job}"}}', at).values()
+        # From 1 ms before the first scrape to the last: extrapolation adds < 0.1 %.
+        (t0, _), (t1, _) = points[0], points[-1]
+        window_ms = round((t1 - t0) * 1000) + 1
+        got = prom.query(
+            f'increase(rollout_events_total{{job="{job}",type="RunRestored"}}[{window_ms}ms])',
+            at=t1,
+        )
+        assert got, job
+        assert float(got[0]["value"][1]) == pytest.approx(1.0, rel=0.01), (job, got)
 
 
 def _check_deploy(prom: Any) -> None:
