@@ -8,20 +8,30 @@ tests skip with the reason, except in CI (``CI`` set), where they fail — the p
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import importlib.util
 import os
 import warnings
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import torch
 
 from rolloutlog.controller.backends import DeterministicBackend, GenerationBackend, make_backend
-from rolloutlog.grpo.tiny_model import TinyModelSpec, build_tiny_model, load_policy
+from rolloutlog.testing import backend_fixtures
+from rolloutlog.testing.backends import MAX_MODEL_LEN, SLOW_GROUP_BASE, Runner, score
+
+# The contract's session fixtures (the tiny model, the loop, run) are rolloutlog.testing's,
+# the ones a third-party backend's suite uses too.
+tiny_model_dir = backend_fixtures.tiny_model_dir
+other_model_dir = backend_fixtures.other_model_dir
+policy = backend_fixtures.policy
+base_weights = backend_fixtures.base_weights
+loop = backend_fixtures.loop
+run = backend_fixtures.run
+__all__ = ["MAX_MODEL_LEN", "SLOW_GROUP_BASE", "Runner", "score"]
 
 # vLLM on the CPU: read when the engine starts (its processes inherit the environment).
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -30,12 +40,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
-MAX_MODEL_LEN = 128
-#: A request slow enough to be aborted while in flight on the deterministic backend.
-SLOW_GROUP_BASE = 1_000_000
-
-T = TypeVar("T")
-Runner = Callable[..., Any]
 
 
 def vllm_missing_reason() -> str | None:
@@ -49,51 +53,6 @@ def _vllm_unavailable(reason: str) -> None:
     if IN_CI:
         pytest.fail(f"vLLM is required in CI but unavailable: {reason}", pytrace=False)
     pytest.skip(f"vLLM unavailable: {reason}")
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Llama policy (seed 0), built once per session."""
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
-
-
-@pytest.fixture(scope="session")
-def other_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Another tiny policy (seed 1): "new weights" from a trainer's point of view."""
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-seed1", TinyModelSpec(seed=1))
-
-
-@pytest.fixture(scope="session")
-def policy(tiny_model_dir: Path) -> tuple[Any, Any]:
-    """The tiny policy loaded with transformers (reference for logprobs)."""
-    return load_policy(tiny_model_dir)
-
-
-@pytest.fixture(scope="session")
-def base_weights(policy: tuple[Any, Any]) -> dict[str, torch.Tensor]:
-    """The tiny policy's original weights (checkpoint names)."""
-    model, _ = policy
-    return {name: t.detach().clone() for name, t in model.state_dict().items()}
-
-
-@pytest.fixture(scope="session")
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    """One event loop for the session (vLLM's AsyncLLM is bound to the loop it runs on)."""
-    lp = asyncio.new_event_loop()
-    yield lp
-    lp.run_until_complete(lp.shutdown_asyncgens())
-    lp.run_until_complete(lp.shutdown_default_executor())
-    lp.close()
-
-
-@pytest.fixture(scope="session")
-def run(loop: asyncio.AbstractEventLoop) -> Runner:
-    """``run(coro, timeout=120)``: run a coroutine to completion on the session loop."""
-
-    def _run(coro: Coroutine[Any, Any, T], timeout: float = 120.0) -> T:
-        return loop.run_until_complete(asyncio.wait_for(coro, timeout))
-
-    return _run
 
 
 @pytest.fixture(scope="session")
@@ -128,14 +87,6 @@ def vllm_session_backend(tiny_model_dir: Path, run: Runner) -> Iterator[Generati
     run(backend.start(), timeout=300)
     yield backend
     run(backend.close(), timeout=60)
-
-
-def score(model: Any, prompt: Sequence[int], tokens: Sequence[int]) -> list[float]:
-    """Teacher-forced logprobs of ``tokens`` after ``prompt`` under ``model`` (temperature 1)."""
-    ids = torch.tensor([[*prompt, *tokens]])
-    with torch.no_grad():
-        logprobs = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
-    return [float(logprobs[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens)]
 
 
 def _deterministic(tiny_model_dir: Path) -> DeterministicBackend:
