@@ -72,12 +72,19 @@ class FakeEngineServer:
         model_dir: str | Path | None = None,
     ) -> None:
         self.backend = backend
+        self._startup_version = backend.weight_version
         self.model_dir = None if model_dir is None else Path(model_dir).resolve()
         self._reference: ReferenceModel | None = None
         #: Fingerprint of the weights held (None: no model, or not known).
         self.fingerprint: str | None = None
         #: ``(request id, weight version from the manifest, fingerprint)`` per completion.
         self.served_with: list[tuple[str, int, str | None]] = []
+        #: Fault injection: answer reloads with 200 and keep the weights held (an engine
+        #: that claims weights it does not serve; only the weight probe can tell).
+        self.ignore_reloads = False
+        #: Fault injection: hang (:meth:`pause`) on receiving the next reload, which then
+        #: goes through once resumed (as a SIGSTOP during a load, then SIGCONT).
+        self.pause_on_reload = False
         self._running = asyncio.Event()
         self._running.set()
         self.latency = latency
@@ -254,6 +261,12 @@ class FakeEngineServer:
     async def _rpc(self, doc: dict[str, Any]) -> tuple[int, Any]:
         if doc.get("method") != "reload_weights":
             return 400, {"error": f"unsupported method {doc.get('method')!r}"}
+        if self.pause_on_reload:
+            self.pause_on_reload = False
+            self.pause()
+            await self._running.wait()
+        if self.ignore_reloads:
+            return 200, {"results": [None]}
         path = Path((doc.get("kwargs") or {}).get("weights_path", ""))
         from safetensors.torch import load_file
 
@@ -264,10 +277,12 @@ class FakeEngineServer:
         for f in files:
             tensors.update(load_file(str(f)))
         manifest = path / "rolloutlog_weights.json"
+        # The deterministic generator is keyed by a version: a weights directory's, or
+        # the start-up one for a model directory (no manifest: the start-up weights).
         version = (
             int(json.loads(manifest.read_text())["version"])
             if manifest.is_file()
-            else self.backend.weight_version
+            else self._startup_version
         )
         try:
             await self.backend.update_weights(tensors.items(), version)

@@ -571,7 +571,9 @@ class FleetBackend:
             if failed:
                 engine.backend.forget_weights()
                 self._mark_stale(engine, failed)
-                raise BackendError(f"{engine_id}: refit to version {version}: {failed}")
+                raise BackendError(
+                    f"{engine_id}: refit to weight version {version}: {failed}", retryable=False
+                )
             if engine.health is EngineHealth.DEAD:  # lost while loading: it rejoins later
                 raise BackendError(f"{engine_id}: lost during its refit", retryable=False)
             engine.health = EngineHealth.HEALTHY

@@ -68,7 +68,9 @@ def server_command(config: LaunchConfig, port: int, python: str = sys.executable
         "-m",
         "vllm.entrypoints.openai.api_server",
         "--model",
-        str(config.model_dir),
+        # Absolute: the fleet identifies an engine's start-up weights by this path
+        # (``/v1/models`` reports it as ``root``).
+        str(Path(config.model_dir).resolve()),
         "--host",
         config.host,
         "--port",
