@@ -244,3 +244,91 @@ def test_a_hung_engine_during_a_publish_stalls_only_itself(
         ("refit", "e2", 2)
     ) == 1
     assert ("refit", "e0", 2) in recorder.events and ("refit", "e1", 2) in recorder.events
+
+
+# --- real vLLM servers -----------------------------------------------------------------
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_engines_reused_from_an_earlier_run_are_refit_and_probed(
+    vllm_server_engines: Any,
+    tiny_model_dir: Path,
+    other_model_dir: Path,
+    run: Runner,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Run r1 leaves other weights (version 1) on both real engines; run r2 asks them,
+    finds r1's fingerprint, refits them to its version 0 (verified by the probe) before
+    anything is served, and its samples score as the model directory's weights."""
+    from rolloutlog.grpo.tiny_model import load_policy
+
+    from .conftest import score
+    from .test_fleet import PROMPT
+
+    other, _ = load_policy(other_model_dir)
+    start_up, _ = load_policy(tiny_model_dir)
+    probe = WeightProbe(tiny_model_dir, 1e-3)
+
+    def fleet(recorder: Recorder) -> FleetBackend:
+        return FleetBackend(
+            [
+                VLLMServerBackend(
+                    e.url,
+                    model_dir=tiny_model_dir,
+                    max_model_len=MAX_MODEL_LEN,
+                    engine_id=e.engine_id,
+                )
+                for e in vllm_server_engines.engines
+            ],
+            model_dir=tiny_model_dir,
+            weight_probe=probe,
+            listener=recorder,
+            health_interval=0.5,
+        )
+
+    first = fleet(Recorder())
+    run(first.start(), timeout=120)
+    try:
+        run(first.update_weights(other.state_dict().items(), 1), timeout=120)
+        assert first.health() == {e: EngineHealth.HEALTHY for e in ("engine-0", "engine-1")}
+        prompt = first._probe_prompt
+        held = run(first.engines[0].backend.prompt_logprobs(prompt), timeout=60)
+    finally:
+        run(first.close())
+    want_other = probe.expected_for_tensors(other.state_dict(), prompt)
+    want_start = probe.expected_for_dir(tiny_model_dir, prompt)
+    recorder = Recorder()
+    second = fleet(recorder)
+    run(second.start(), timeout=120)
+    try:
+        assert second.health() == {e: EngineHealth.HEALTHY for e in ("engine-0", "engine-1")}
+        refit = run(second.engines[1].backend.prompt_logprobs(prompt), timeout=60)
+
+        async def serve() -> list[Any]:
+            return await asyncio.gather(*(second.generate(request(g, 2, 12)) for g in range(4)))
+
+        results = run(serve(), timeout=120)
+    finally:
+        run(second.close())
+    for engine in ("engine-0", "engine-1"):
+        assert [e for e in recorder.events if e[1] == engine] == [
+            ("joined", engine, None),
+            ("stale", engine),
+            ("refit", engine, 0),
+        ]
+    samples = [r for rs in results for r in rs]
+    assert {r.weight_version for r in samples} == {0}
+    for r in samples:  # generated with the model directory's weights, not r1's
+        assert r.logprobs[0] == pytest.approx(score(start_up, PROMPT, r.token_ids)[0], abs=1e-3)
+        assert r.logprobs[0] != pytest.approx(score(other, PROMPT, r.token_ids)[0], abs=1e-3)
+    figures = {
+        "probe_same_weights_nats": WeightProbe.distance(held, want_other),
+        "probe_after_refit_nats": WeightProbe.distance(refit, want_start),
+        "probe_other_weights_nats": WeightProbe.distance(held, want_start),
+    }
+    with capsys.disabled():
+        print(f"\nweight probe on vLLM-CPU float32: {figures}")
+    assert figures["probe_same_weights_nats"] < probe.tolerance
+    assert figures["probe_after_refit_nats"] < probe.tolerance
+    assert figures["probe_other_weights_nats"] > 100 * probe.tolerance
