@@ -45,6 +45,7 @@ import asyncio
 import contextlib
 import enum
 import itertools
+import logging
 import shutil
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -74,6 +75,8 @@ from rolloutlog.controller.backends.vllm_server import (
     write_weights_dir,
 )
 from rolloutlog.controller.backends.weight_probe import WeightProbe
+
+log = logging.getLogger(__name__)
 
 
 class EngineHealth(enum.StrEnum):
@@ -213,6 +216,8 @@ class FleetBackend:
         self._expected: list[float] | None = None
         #: Set while no publish is under way: new requests wait for the new version.
         self._door: asyncio.Event | None = None
+        #: Set by a failed health probe while a publish waits for its loads.
+        self._load_watch: asyncio.Event | None = None
         self._control: asyncio.Lock | None = None
         self._monitor: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
@@ -368,6 +373,10 @@ class FleetBackend:
             monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await monitor
+        refits = [e.refitting for e in self.engines if e.refitting is not None]
+        for task in refits:
+            task.cancel()
+        await asyncio.gather(*refits, return_exceptions=True)
         await asyncio.gather(*(e.backend.close() for e in self.engines), return_exceptions=True)
         if self._own_root and self._weights_root is not None:
             shutil.rmtree(self._weights_root, ignore_errors=True)
@@ -472,6 +481,7 @@ class FleetBackend:
     def _mark_stale(self, engine: FleetEngine, reason: str) -> None:
         if engine.health is not EngineHealth.STALE:
             engine.health = EngineHealth.STALE
+            log.warning("engine %s is stale (refit before it serves): %s", engine.engine_id, reason)
             self.listener.on_engine_stale(engine.engine_id, reason)
 
     def _lose(self, engine: FleetEngine, reason: str) -> None:
@@ -491,10 +501,8 @@ class FleetBackend:
             engine.failed_probes += 1
             if engine.health is EngineHealth.HEALTHY:
                 engine.health = EngineHealth.SUSPECT
-            # A publish does not wait for an engine that stops answering: its load is
-            # cancelled (its weights are then unknown) and it is refit when it answers.
-            if engine.load is not None and not engine.load.done():
-                engine.load.cancel()
+            if engine.load is not None and self._load_watch is not None:
+                self._load_watch.set()  # the publish may stop waiting for this engine
             if engine.health is not EngineHealth.DEAD and engine.failed_probes >= self.dead_after:
                 self._lose(engine, f"{engine.failed_probes} health probes failed")
             return
@@ -635,8 +643,17 @@ class FleetBackend:
         for engine in targets:
             engine.load = asyncio.ensure_future(self._load(engine, path, version, expected))
         self._wake.set()  # probe now: an engine that does not answer is found within one probe
-        if targets:
-            await asyncio.wait([e.load for e in targets if e.load is not None])
+        try:
+            await self._await_loads(targets)
+        except BaseException:  # the publish itself was cancelled: so are its loads
+            for engine in targets:
+                task, engine.load = engine.load, None
+                if task is not None and not task.done():
+                    task.cancel()
+                if engine.health is not EngineHealth.DEAD:
+                    engine.backend.forget_weights()
+                    self._mark_stale(engine, "the publish was cancelled during its load")
+            raise
         outcomes: dict[FleetEngine, str] = {}
         for engine in targets:
             task, engine.load = engine.load, None
@@ -679,6 +696,32 @@ class FleetBackend:
                 self._schedule_refit(engine)
         if old is not None and self._own_root:
             shutil.rmtree(old, ignore_errors=True)
+
+    async def _await_loads(self, targets: list[FleetEngine]) -> None:
+        """Wait for the loads, but not for an engine that stops answering its health
+        probes once another engine holds the new version: its load is cancelled (its
+        weights are then unknown) and it is refit when it answers again. While no load
+        has succeeded, a failed probe cancels nothing (all probes failing at once is more
+        likely this process being slow than every engine hung)."""
+        loads = {e: e.load for e in targets if e.load is not None}
+        while True:
+            pending = [t for t in loads.values() if not t.done()]
+            if not pending:
+                return
+            self._load_watch = watch = asyncio.Event()
+            waiter = asyncio.ensure_future(watch.wait())
+            try:
+                await asyncio.wait([*pending, waiter], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                self._load_watch = None
+                waiter.cancel()
+            if any(
+                t.done() and not t.cancelled() and t.exception() is None and not t.result()
+                for t in loads.values()
+            ):
+                for engine, task in loads.items():
+                    if not task.done() and engine.failed_probes > 0:
+                        task.cancel()
 
     async def _load(
         self, engine: FleetEngine, path: Path, version: int, expected: list[float] | None
