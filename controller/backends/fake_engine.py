@@ -13,6 +13,15 @@ is a pure function of (group, sibling, attempt, weight version) — parsed from 
 Each engine serves at most ``capacity`` requests at once, each taking ``latency``
 seconds: a fixed per-request cost, so throughput scales with the number of engines
 only if the router spreads the load.
+
+Weights, as strict as vLLM's: ``reload_weights`` loads whatever directory it is given
+(the engine keeps it until the next load or a restart, whoever the next client is), the
+weight tag (``/update_weight_version``, ``/weight_info``) is whatever was set last, and
+with ``model_dir`` the engine holds real tensors (the model's at start) and answers
+``prompt_logprobs`` with them (the tiny model's forward pass; the weight probe).
+:attr:`FakeEngineServer.served_with` records, per completion, the fingerprint of the
+weights it held. :meth:`FakeEngineServer.pause` makes it hang (as under SIGSTOP: the
+socket accepts, nothing answers) until :meth:`FakeEngineServer.resume`.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import json
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rolloutlog.controller.backends.base import (
     BackendAbortedError,
@@ -33,6 +42,9 @@ from rolloutlog.controller.backends.base import (
     SiblingSpec,
 )
 from rolloutlog.controller.backends.deterministic_backend import DeterministicBackend
+
+if TYPE_CHECKING:
+    from rolloutlog.controller.backends.weight_probe import ReferenceModel
 
 _RID = re.compile(r"^g(\d+)-s(\d+)-a(\d+)(?:-|$)")
 
@@ -45,6 +57,8 @@ class FakeEngineServer:
         latency: seconds per request, or a callable of the group id.
         capacity: requests served at once (the rest queue).
         max_model_len: reported by ``/v1/models``.
+        model_dir: the served model: reported as ``root`` by ``/v1/models``; its
+            weights are held at start and ``prompt_logprobs`` are answered with them.
     """
 
     def __init__(
@@ -55,8 +69,24 @@ class FakeEngineServer:
         capacity: int = 1_000_000,
         max_model_len: int = 128,
         port: int = 0,
+        model_dir: str | Path | None = None,
     ) -> None:
         self.backend = backend
+        self._startup_version = backend.weight_version
+        self.model_dir = None if model_dir is None else Path(model_dir).resolve()
+        self._reference: ReferenceModel | None = None
+        #: Fingerprint of the weights held (None: no model, or not known).
+        self.fingerprint: str | None = None
+        #: ``(request id, weight version from the manifest, fingerprint)`` per completion.
+        self.served_with: list[tuple[str, int, str | None]] = []
+        #: Fault injection: answer reloads with 200 and keep the weights held (an engine
+        #: that claims weights it does not serve; only the weight probe can tell).
+        self.ignore_reloads = False
+        #: Fault injection: hang (:meth:`pause`) on receiving the next reload, which then
+        #: goes through once resumed (as a SIGSTOP during a load, then SIGCONT).
+        self.pause_on_reload = False
+        self._running = asyncio.Event()
+        self._running.set()
         self.latency = latency
         self.capacity = capacity
         self.max_model_len = max_model_len
@@ -77,9 +107,25 @@ class FakeEngineServer:
     async def start(self) -> None:
         """Listen on loopback."""
         await self.backend.start()
+        if self.model_dir is not None and self._reference is None:
+            import torch
+
+            from rolloutlog.controller.backends.vllm_server import model_dir_fingerprint
+            from rolloutlog.controller.backends.weight_probe import ReferenceModel
+
+            self._reference = ReferenceModel(self.model_dir)
+            self.fingerprint = model_dir_fingerprint(self.model_dir, torch.float32)
         self._slots = asyncio.Semaphore(self.capacity)
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
         self.port = self._server.sockets[0].getsockname()[1]
+
+    def pause(self) -> None:
+        """Hang (as under SIGSTOP): connections are accepted, nothing is answered."""
+        self._running.clear()
+
+    def resume(self) -> None:
+        """Answer again (as after SIGCONT): what was asked meanwhile is served now."""
+        self._running.set()
 
     async def stop(self) -> None:
         """Stop listening and drop every connection (like a killed engine)."""
@@ -106,7 +152,9 @@ class FakeEngineServer:
                     headers[key.strip().lower()] = value.strip()
                 length = int(headers.get("content-length", "0"))
                 body = await reader.readexactly(length) if length else b""
+                await self._running.wait()
                 status, payload = await self._route(method, path.split("?")[0], headers, body)
+                await self._running.wait()
                 data = json.dumps(payload).encode()
                 writer.write(
                     f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\n"
@@ -129,12 +177,17 @@ class FakeEngineServer:
         if path == "/weight_info":
             return 200, {"weight_version": self.weight_tag}
         if path == "/v1/models":
-            return 200, {"data": [{"id": "fake", "max_model_len": self.max_model_len}]}
+            root = "fake" if self.model_dir is None else str(self.model_dir)
+            return 200, {
+                "data": [{"id": "fake", "root": root, "max_model_len": self.max_model_len}]
+            }
         try:
             doc = json.loads(body or b"{}")
         except ValueError:
             return 400, {"error": "invalid JSON"}
         if path == "/v1/completions":
+            if doc.get("prompt_logprobs") is not None:
+                return await self._prompt_logprobs(doc)
             return await self._complete(doc, headers.get("x-request-id", ""))
         if path in ("/abort_requests", "/inference/v1/abort_requests"):
             for rid in doc.get("request_ids") or []:
@@ -182,16 +235,38 @@ class FakeEngineServer:
             finally:
                 self._tasks.pop(rid, None)
         self.served += 1
+        self.served_with.append((rid, self.backend.weight_version, self.fingerprint))
         return 200, _choice(list(result.token_ids), list(result.logprobs), result.finish_reason)
 
     async def _generate(self, request: GroupRequest, latency: float) -> Any:
         if latency > 0:
             await asyncio.sleep(latency)
+        await self._running.wait()  # a hung engine generates nothing
         return await self.backend.generate(request)
+
+    async def _prompt_logprobs(self, doc: dict[str, Any]) -> tuple[int, Any]:
+        if self._reference is None:
+            return 400, {"error": "prompt_logprobs: this fake engine has no model_dir"}
+        prompt = tuple(int(t) for t in doc.get("prompt") or ())
+        if len(prompt) < 2 or max(prompt) >= self.backend.vocab_size:
+            return 400, {"error": f"bad prompt for prompt_logprobs: {prompt}"}
+        values = await asyncio.to_thread(self._reference.prompt_logprobs, prompt)
+        rows: list[Any] = [None]
+        for tok, lp in zip(prompt[1:], values, strict=True):
+            rows.append({str(tok): {"logprob": lp, "rank": 1, "decoded_token": ""}})
+        choice = _choice([], [], "length")
+        choice["choices"][0]["prompt_logprobs"] = rows
+        return 200, choice
 
     async def _rpc(self, doc: dict[str, Any]) -> tuple[int, Any]:
         if doc.get("method") != "reload_weights":
             return 400, {"error": f"unsupported method {doc.get('method')!r}"}
+        if self.pause_on_reload:
+            self.pause_on_reload = False
+            self.pause()
+            await self._running.wait()
+        if self.ignore_reloads:
+            return 200, {"results": [None]}
         path = Path((doc.get("kwargs") or {}).get("weights_path", ""))
         from safetensors.torch import load_file
 
@@ -202,14 +277,23 @@ class FakeEngineServer:
         for f in files:
             tensors.update(load_file(str(f)))
         manifest = path / "rolloutlog_weights.json"
+        # The deterministic generator is keyed by a version: a weights directory's, or
+        # the start-up one for a model directory (no manifest: the start-up weights).
         version = (
             int(json.loads(manifest.read_text())["version"])
             if manifest.is_file()
-            else self.backend.weight_version
+            else self._startup_version
         )
         try:
             await self.backend.update_weights(tensors.items(), version)
-        except BackendError as exc:
+            if self._reference is not None:
+                import torch
+
+                from rolloutlog.controller.backends.vllm_server import weights_fingerprint
+
+                await asyncio.to_thread(self._reference.load, tensors)
+                self.fingerprint = weights_fingerprint(tensors, torch.float32)
+        except (BackendError, ValueError) as exc:
             return 500, {"error": str(exc)}
         return 200, {"results": [None]}
 

@@ -11,14 +11,26 @@ OpenAI-compatible vLLM server, anywhere on the network). The fleet
   ``stale`` (answers, but its weights are not known to be the published version);
 - turns a transport failure or an engine's death into a **retryable** failure of the
   sibling attempt (the runtime re-dispatches it; the retry goes to a healthy engine);
-- treats an engine that **comes back** (after being suspect or dead: it may have been
-  restarted with other weights) as ``stale`` until it is **refit** to the published
-  weight version, and never sends a request to an engine whose weights differ from the
-  version the request is dispatched with;
-- fans weight updates out to every serving engine: the weights are written **once** to
-  a versioned directory (``weights_root``, shared with the engines) and each engine
-  reloads it (``/collective_rpc reload_weights``). An engine whose load fails becomes
-  stale and is refit later; the fleet's version moves when at least one engine loaded it.
+- **asks** each engine which weights it serves when it joins (at start, or when it
+  answers again after being lost): its weight tag (``/weight_info``) names the version
+  and a content fingerprint of the weights a rolloutlog client last loaded into it, or
+  vLLM's start-up tag with the model it was started with (``/v1/models`` ``root``). An
+  engine joins with the run's current version only if those are the current version's
+  weights; otherwise (an earlier run's weights, a load cut short, another model) it
+  joins with ``None``, is ``stale``, and is **refit** before it serves;
+- with a :class:`~rolloutlog.controller.backends.weight_probe.WeightProbe`, checks that
+  claim after every join and load: a fixed prompt's logprobs must match the reference
+  model's for that version within the probe's tolerance, or the engine is stale;
+- never sends a request to an engine whose weights differ from the version the request
+  is dispatched with;
+- fans weight updates out to every engine that answers: the weights are written
+  **once** to a versioned directory (``weights_root``, shared with the engines) and
+  each engine drains its own requests and reloads it (``/collective_rpc
+  reload_weights``). New requests wait for the publish; an engine that stops answering
+  its health probe meanwhile has its load cancelled (the publish completes on the
+  others, within one health probe) and is refit when it answers again. An engine whose
+  load fails becomes stale and is refit later; the fleet's version moves when at least
+  one engine loaded it.
 
 Membership is reported through a :class:`FleetListener` (``on_engine_joined``,
 ``on_engine_lost``, ``on_engine_refit``, ``on_engine_stale``, ``on_request_routed``,
@@ -33,6 +45,7 @@ import asyncio
 import contextlib
 import enum
 import itertools
+import logging
 import shutil
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +54,6 @@ from typing import Any
 
 import torch
 
-from rolloutlog.controller.backends._gate import DrainGate
 from rolloutlog.controller.backends.base import (
     BackendAbortedError,
     BackendError,
@@ -53,11 +65,18 @@ from rolloutlog.controller.backends.base import (
     validate_weight_update,
 )
 from rolloutlog.controller.backends.vllm_server import (
+    STARTUP_TAG,
     EngineStaleError,
     EngineTransportError,
     VLLMServerBackend,
+    model_dir_fingerprint,
+    parse_weight_tag,
+    read_manifest,
     write_weights_dir,
 )
+from rolloutlog.controller.backends.weight_probe import WeightProbe
+
+log = logging.getLogger(__name__)
 
 
 class EngineHealth(enum.StrEnum):
@@ -118,6 +137,10 @@ class FleetEngine:
     joined: bool = False
     #: Group ids with a request in flight here (abort routes through this).
     groups: dict[int, int] = field(default_factory=dict)
+    #: The weight load of the publish under way (cancelled if the engine stops answering).
+    load: asyncio.Task[str | None] | None = None
+    #: The refit scheduled by the health monitor, if one is pending.
+    refitting: asyncio.Task[None] | None = None
 
     @property
     def engine_id(self) -> str:
@@ -138,7 +161,9 @@ class FleetBackend:
         health_interval: seconds between ``/health`` probes of each engine.
         health_timeout: deadline of one probe.
         dead_after: failed probes in a row after which an engine is declared dead.
-        auto_refit: refit stale engines that answer to the published version.
+        auto_refit: refit stale engines that answer to the published version (at start,
+            before anything is served, and whenever one answers again).
+        weight_probe: verify every join and load with this probe (needs ``model_dir``).
         listener: membership callbacks (:class:`FleetListener`).
     """
 
@@ -156,6 +181,7 @@ class FleetBackend:
         dead_after: int = 3,
         auto_refit: bool = True,
         dtype: str = "float32",
+        weight_probe: WeightProbe | None = None,
         listener: FleetListener | None = None,
     ) -> None:
         if not engines:
@@ -165,6 +191,8 @@ class FleetBackend:
             raise ValueError(f"engine ids must be unique, got {ids}")
         if dead_after < 1:
             raise ValueError(f"dead_after {dead_after} must be >= 1")
+        if weight_probe is not None and model_dir is None:
+            raise ValueError("a weight probe needs model_dir (the reference model)")
         self.engines = [FleetEngine(e) for e in engines]
         self._by_id = {e.engine_id: e for e in self.engines}
         self.model_dir = None if model_dir is None else Path(model_dir)
@@ -176,10 +204,20 @@ class FleetBackend:
         self.auto_refit = auto_refit
         self._torch_dtype: torch.dtype = getattr(torch, dtype)
         self.listener = listener or FleetListener()
+        self.weight_probe = weight_probe
         self._version = weight_version
         #: Where the published version's weights are (None: the start-up model_dir).
         self._published: Path | None = None
-        self._gate = DrainGate()
+        #: Content fingerprint of the published version's weights (None: not known, i.e.
+        #: no model_dir: engines on vLLM's start-up tag are taken at their word).
+        self._fingerprint: str | None = None
+        #: The probe's prompt and the logprobs the published version answers to it.
+        self._probe_prompt: tuple[int, ...] = ()
+        self._expected: list[float] | None = None
+        #: Set while no publish is under way: new requests wait for the new version.
+        self._door: asyncio.Event | None = None
+        #: Set by a failed health probe while a publish waits for its loads.
+        self._load_watch: asyncio.Event | None = None
         self._control: asyncio.Lock | None = None
         self._monitor: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
@@ -217,39 +255,115 @@ class FleetBackend:
     # --- life cycle -----------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start every engine client; at least one must answer. Starts the health monitor."""
+        """Start every engine client; at least one must answer. Each engine is asked which
+        weights it serves; an engine without the published ones is refit (``auto_refit``)
+        before anything is served. Starts the health monitor."""
         if self._closed:
             raise BackendUnavailableError("fleet is closed")
         if self._started:
             return
         self._control = asyncio.Lock()
         self._wake = asyncio.Event()
+        self._door = asyncio.Event()
+        self._door.set()
         outcomes = await asyncio.gather(
             *(e.backend.start() for e in self.engines), return_exceptions=True
         )
         errors: list[str] = []
+        up: list[FleetEngine] = []
         for engine, outcome in zip(self.engines, outcomes, strict=True):
             if isinstance(outcome, BaseException):
                 engine.health = EngineHealth.DEAD
                 errors.append(f"{engine.engine_id}: {outcome}")
-                continue
-            self._join(engine, engine.backend.weight_version)
-        if not any(e.joined for e in self.engines):
+            else:
+                up.append(engine)
+        if not up:
             raise BackendUnavailableError(f"no engine of the fleet started: {'; '.join(errors)}")
-        vocab = {e.backend.vocab_size for e in self.engines if e.joined}
+        vocab = {e.backend.vocab_size for e in up}
         if len(vocab) != 1:
             raise BackendUnavailableError(f"engines disagree on the vocabulary size: {vocab}")
+        if self.model_dir is not None:
+            try:
+                self._fingerprint = await asyncio.to_thread(
+                    model_dir_fingerprint, self.model_dir, self._torch_dtype
+                )
+                if self.weight_probe is not None:
+                    self._probe_prompt = self.weight_probe.prompt(
+                        self.vocab_size, self.max_model_len
+                    )
+                    self._expected = await asyncio.to_thread(
+                        self.weight_probe.expected_for_dir, self.model_dir, self._probe_prompt
+                    )
+            except (OSError, ValueError) as exc:
+                raise BackendUnavailableError(
+                    f"cannot identify the weights of {self.model_dir}: {exc}"
+                ) from exc
+        await asyncio.gather(*(self._join(e) for e in up))
+        if self.auto_refit:
+            stale = [e for e in up if e.health is EngineHealth.STALE]
+            await asyncio.gather(*(self.refit(e.engine_id) for e in stale), return_exceptions=True)
         self._started = True
         self._monitor = asyncio.ensure_future(self._monitor_loop())
 
-    def _join(self, engine: FleetEngine, version: int | None) -> None:
+    async def _identify(self, engine: FleetEngine) -> tuple[int | None, str]:
+        """Ask the engine which weights it serves: the published version, or ``None``
+        with the reason (not the published weights, or not identifiable)."""
+        backend = engine.backend
+        try:
+            tag = await backend.served_weight_tag()
+        except Exception as exc:  # transport error, malformed answer: not identified
+            return None, f"its weight tag could not be read ({type(exc).__name__}: {exc})"
+        parsed = parse_weight_tag(tag)
+        if parsed is not None:
+            version, fingerprint = parsed
+            if version == self._version and fingerprint == self._fingerprint:
+                backend.assume_weights(version, fingerprint)
+                return version, ""
+            return None, (
+                f"it holds weights tagged {tag!r}, not the published weight version "
+                f"{self._version} (fingerprint {self._fingerprint})"
+            )
+        if tag == STARTUP_TAG and self._published is None:
+            root = backend.served_root
+            if self.model_dir is None or (
+                root is not None and Path(root).resolve() == self.model_dir.resolve()
+            ):
+                backend.assume_weights(self._version, None)
+                return self._version, ""
+            return None, f"it serves its start-up model {root!r}, not {self.model_dir}"
+        return None, f"its weight tag {tag!r} identifies no weights of this run"
+
+    async def _verify(self, engine: FleetEngine, version: int, expected: list[float] | None) -> str:
+        """The weight probe on ``engine`` against ``expected``; '' if it passes (or no probe)."""
+        if self.weight_probe is None or expected is None:
+            return ""
+        try:
+            got = await engine.backend.prompt_logprobs(self._probe_prompt)
+        except BackendError as exc:
+            return f"weight probe failed: {exc}"
+        distance = self.weight_probe.distance(got, expected)
+        if distance > self.weight_probe.tolerance:
+            return (
+                f"weight probe: its logprobs differ from weight version {version}'s by "
+                f"{distance:.3g} nats (tolerance {self.weight_probe.tolerance})"
+            )
+        return ""
+
+    async def _join(self, engine: FleetEngine) -> None:
+        """The engine answers (at start or again): ask its weights, verify, record."""
+        version, reason = await self._identify(engine)
+        if version is not None:
+            reason = await self._verify(engine, version, self._expected)
+            if reason:
+                version = None
         engine.joined = True
         engine.failed_probes = 0
         self.listener.on_engine_joined(engine.engine_id, engine.backend.base_url, version)
-        if version == self._version and engine.backend.weights_known:
+        if version is not None:
             engine.health = EngineHealth.HEALTHY
         else:
-            self._mark_stale(engine, f"holds weight version {version}, published {self._version}")
+            engine.backend.forget_weights()
+            self._mark_stale(engine, reason)
 
     async def close(self) -> None:
         """Stop the monitor and close every engine client (engines keep running)."""
@@ -259,6 +373,10 @@ class FleetBackend:
             monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await monitor
+        refits = [e.refitting for e in self.engines if e.refitting is not None]
+        for task in refits:
+            task.cancel()
+        await asyncio.gather(*refits, return_exceptions=True)
         await asyncio.gather(*(e.backend.close() for e in self.engines), return_exceptions=True)
         if self._own_root and self._weights_root is not None:
             shutil.rmtree(self._weights_root, ignore_errors=True)
@@ -303,46 +421,48 @@ class FleetBackend:
         """
         self._check_open()
         validate_request(request, self.vocab_size, self.max_model_len)
-        async with self._gate.generating():
-            self._check_open()
-            if version is not None and version != self._version:
-                raise NoEngineError(
-                    f"group {request.group_id}: dispatched with weight version {version}, "
-                    f"the fleet serves {self._version}"
+        assert self._door is not None
+        while not self._door.is_set():  # a publish is under way: serve the new version
+            await self._door.wait()
+        self._check_open()
+        if version is not None and version != self._version:
+            raise NoEngineError(
+                f"group {request.group_id}: dispatched with weight version {version}, "
+                f"the fleet serves {self._version}"
+            )
+        version = self._version
+        engine = self.pick(version)
+        if engine is None:
+            raise NoEngineError(
+                f"group {request.group_id}: no healthy engine holds weight version "
+                f"{version} ({', '.join(f'{k}={v}' for k, v in self.health().items())})"
+            )
+        self.listener.on_request_routed(engine.engine_id, request, version)
+        engine.groups[request.group_id] = engine.groups.get(request.group_id, 0) + 1
+        try:
+            return await engine.backend.generate_at(request, version)
+        except EngineTransportError as exc:
+            self._suspect(engine, str(exc))
+            self.listener.on_request_failed(engine.engine_id, request, exc)
+            raise
+        except EngineStaleError as exc:
+            self._mark_stale(engine, str(exc))
+            self.listener.on_request_failed(engine.engine_id, request, exc)
+            raise
+        except BackendAbortedError as exc:
+            if engine.health is EngineHealth.DEAD:  # cancelled because it was lost
+                lost = EngineLostError(
+                    f"group {request.group_id}: engine {engine.engine_id} was lost"
                 )
-            version = self._version
-            engine = self.pick(version)
-            if engine is None:
-                raise NoEngineError(
-                    f"group {request.group_id}: no healthy engine holds weight version "
-                    f"{version} ({', '.join(f'{k}={v}' for k, v in self.health().items())})"
-                )
-            self.listener.on_request_routed(engine.engine_id, request, version)
-            engine.groups[request.group_id] = engine.groups.get(request.group_id, 0) + 1
-            try:
-                return await engine.backend.generate_at(request, version)
-            except EngineTransportError as exc:
-                self._suspect(engine, str(exc))
-                self.listener.on_request_failed(engine.engine_id, request, exc)
-                raise
-            except EngineStaleError as exc:
-                self._mark_stale(engine, str(exc))
-                self.listener.on_request_failed(engine.engine_id, request, exc)
-                raise
-            except BackendAbortedError as exc:
-                if engine.health is EngineHealth.DEAD:  # cancelled because it was lost
-                    lost = EngineLostError(
-                        f"group {request.group_id}: engine {engine.engine_id} was lost"
-                    )
-                    self.listener.on_request_failed(engine.engine_id, request, lost)
-                    raise lost from exc
-                raise
-            finally:
-                left = engine.groups.get(request.group_id, 0) - 1
-                if left > 0:
-                    engine.groups[request.group_id] = left
-                else:
-                    engine.groups.pop(request.group_id, None)
+                self.listener.on_request_failed(engine.engine_id, request, lost)
+                raise lost from exc
+            raise
+        finally:
+            left = engine.groups.get(request.group_id, 0) - 1
+            if left > 0:
+                engine.groups[request.group_id] = left
+            else:
+                engine.groups.pop(request.group_id, None)
 
     async def abort(self, group_id: int) -> None:
         """Abort the group's requests on whichever engines hold them."""
@@ -361,6 +481,7 @@ class FleetBackend:
     def _mark_stale(self, engine: FleetEngine, reason: str) -> None:
         if engine.health is not EngineHealth.STALE:
             engine.health = EngineHealth.STALE
+            log.warning("engine %s is stale (refit before it serves): %s", engine.engine_id, reason)
             self.listener.on_engine_stale(engine.engine_id, reason)
 
     def _lose(self, engine: FleetEngine, reason: str) -> None:
@@ -380,23 +501,37 @@ class FleetBackend:
             engine.failed_probes += 1
             if engine.health is EngineHealth.HEALTHY:
                 engine.health = EngineHealth.SUSPECT
+            if engine.load is not None and self._load_watch is not None:
+                self._load_watch.set()  # the publish may stop waiting for this engine
             if engine.health is not EngineHealth.DEAD and engine.failed_probes >= self.dead_after:
                 self._lose(engine, f"{engine.failed_probes} health probes failed")
             return
         engine.failed_probes = 0
-        if engine.health in (EngineHealth.DEAD, EngineHealth.SUSPECT):
-            # It answers again. Restarted? A restarted engine lost our weight tag
-            # (/weight_info): then it is stale until refit. A blip keeps the tag.
+        if engine.health is EngineHealth.DEAD:
+            # It answers again, maybe restarted with other weights: ask which.
+            await self._join(engine)
+        elif engine.health is EngineHealth.SUSPECT:
+            # A blip keeps our weight tag; a restarted engine lost it: stale until refit.
             verified = await engine.backend.verify_weights()
-            if engine.health is EngineHealth.DEAD:
-                self._join(engine, engine.backend.weight_version if verified else None)
-            elif verified and engine.backend.weight_version == self._version:
+            if verified and engine.backend.weight_version == self._version:
                 engine.health = EngineHealth.HEALTHY
             else:
                 self._mark_stale(engine, "answered again without the published weights")
         if engine.health is EngineHealth.STALE and self.auto_refit:
+            self._schedule_refit(engine)
+
+    def _schedule_refit(self, engine: FleetEngine) -> None:
+        """Refit in the background (the monitor must keep probing during a publish)."""
+        if engine.refitting is not None and not engine.refitting.done():
+            return
+
+        async def refit_quietly() -> None:
             with contextlib.suppress(BackendError):
                 await self.refit(engine.engine_id)
+
+        engine.refitting = asyncio.ensure_future(refit_quietly())
+        self._background.add(engine.refitting)
+        engine.refitting.add_done_callback(self._background.discard)
 
     async def probe_all(self) -> dict[str, EngineHealth]:
         """Probe every engine once (concurrently); returns the resulting health."""
@@ -414,23 +549,41 @@ class FleetBackend:
             except Exception:  # the monitor must outlive one bad probe
                 await asyncio.sleep(self.health_interval)
 
+    def _holds_published(self, engine: FleetEngine) -> bool:
+        b = engine.backend
+        return b.weights_known and b.weight_version == self._version
+
     async def refit(self, engine_id: str) -> None:
-        """Load the published weights into a stale engine; it then serves again."""
+        """Load the published weights into a stale engine, verify them (weight probe); it
+        then serves again. Raises :class:`BackendError` if it could not be refit."""
         engine = self._by_id[engine_id]
         assert self._control is not None
         async with self._control:
             version = self._version
-            if engine.health is EngineHealth.HEALTHY and engine.backend.weight_version == version:
-                return
+            if engine.health is EngineHealth.HEALTHY and self._holds_published(engine):
+                return  # refit by the publish it waited for: nothing to record twice
+            if engine.health is EngineHealth.DEAD:
+                raise BackendError(f"{engine_id}: lost, not refit", retryable=False)
             if self._published is not None:
                 await engine.backend.load_weights_dir(self._published, version)
             elif self.model_dir is not None:
-                await engine.backend.load_weights_dir(self.model_dir, version, check_manifest=False)
+                await engine.backend.load_weights_dir(
+                    self.model_dir, version, check_manifest=False, fingerprint=self._fingerprint
+                )
             else:
                 raise BackendError(
                     f"{engine_id}: nothing to refit from (no published weights, no model_dir)",
                     retryable=False,
                 )
+            failed = await self._verify(engine, version, self._expected)
+            if failed:
+                engine.backend.forget_weights()
+                self._mark_stale(engine, failed)
+                raise BackendError(
+                    f"{engine_id}: refit to weight version {version}: {failed}", retryable=False
+                )
+            if engine.health is EngineHealth.DEAD:  # lost while loading: it rejoins later
+                raise BackendError(f"{engine_id}: lost during its refit", retryable=False)
             engine.health = EngineHealth.HEALTHY
             engine.failed_probes = 0
             self.listener.on_engine_refit(engine_id, version)
@@ -448,46 +601,134 @@ class FleetBackend:
     async def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
     ) -> None:
-        """Write the weights once and load them into every serving engine.
+        """Write the weights once and load them into every engine that answers.
 
-        Drains the fleet's in-flight requests first; requests arriving meanwhile wait
-        and are served with the new version.
+        New requests wait from the first line on and are served with the new version.
+        Each engine drains its own in-flight requests before its load, so a hung engine
+        holds up only itself: when it fails a health probe its load is cancelled, it is
+        marked stale (weights unknown) and refit once it answers; the publish completes
+        on the others.
         """
         self._check_open()
         shapes = next((e.backend.weight_shapes for e in self.engines if e.joined), None)
         tensors = validate_weight_update(named_tensors, version, shapes)
-        assert self._control is not None
-        # The gate closes before the first await: a request arriving from now on waits
+        assert self._control is not None and self._door is not None and self._wake is not None
+        # The door closes before the first await: a request arriving from now on waits
         # for the new version (the contract), even while the weights are being written.
-        async with self._gate.swapping(), self._control:
-            path = await asyncio.to_thread(
-                write_weights_dir, tensors, version, self.weights_root(), self._torch_dtype
+        self._door.clear()
+        try:
+            async with self._control:
+                await self._publish(tensors, version)
+        finally:
+            self._door.set()
+
+    async def _publish(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        assert self._wake is not None
+        path = await asyncio.to_thread(
+            write_weights_dir, tensors, version, self.weights_root(), self._torch_dtype
+        )
+        fingerprint = read_manifest(path)[1]
+        expected: list[float] | None = None
+        if self.weight_probe is not None:
+            expected = await asyncio.to_thread(
+                self.weight_probe.expected_for_tensors, tensors, self._probe_prompt
             )
-            targets = [e for e in self.engines if e.health is EngineHealth.HEALTHY]
-            outcomes = await asyncio.gather(
-                *(e.backend.load_weights_dir(path, version) for e in targets),
-                return_exceptions=True,
-            )
-            loaded = [e for e, o in zip(targets, outcomes, strict=True) if o is None]
-            if not loaded:
-                errors = [str(o) for o in outcomes if isinstance(o, BaseException)]
-                shutil.rmtree(path, ignore_errors=True)
-                raise BackendError(
-                    f"weight version {version} loaded on no engine: "
-                    f"{'; '.join(errors) or 'none serving'}",
-                    retryable=False,
-                )
-            old, self._published, self._version = self._published, path, version
-            for engine, outcome in zip(targets, outcomes, strict=True):
-                if outcome is None:
-                    self.listener.on_engine_refit(engine.engine_id, version)
-                else:
-                    self._mark_stale(engine, f"weight load failed: {outcome}")
-            for engine in self.engines:  # suspect ones answer later: stale, then refit
-                if engine.health is EngineHealth.SUSPECT:
+        # Stale engines that answer get the new version too (a refit); suspect and dead
+        # ones are refit when they answer again.
+        targets = [
+            e
+            for e in self.engines
+            if e.joined and e.health in (EngineHealth.HEALTHY, EngineHealth.STALE)
+        ]
+        for engine in targets:
+            engine.load = asyncio.ensure_future(self._load(engine, path, version, expected))
+        self._wake.set()  # probe now: an engine that does not answer is found within one probe
+        try:
+            await self._await_loads(targets)
+        except BaseException:  # the publish itself was cancelled: so are its loads
+            for engine in targets:
+                task, engine.load = engine.load, None
+                if task is not None and not task.done():
+                    task.cancel()
+                if engine.health is not EngineHealth.DEAD:
                     engine.backend.forget_weights()
-            if old is not None and self._own_root:
-                shutil.rmtree(old, ignore_errors=True)
+                    self._mark_stale(engine, "the publish was cancelled during its load")
+            raise
+        outcomes: dict[FleetEngine, str] = {}
+        for engine in targets:
+            task, engine.load = engine.load, None
+            assert task is not None
+            if task.cancelled():
+                outcomes[engine] = "its load was cancelled: it stopped answering health probes"
+            elif task.exception() is not None:
+                outcomes[engine] = f"weight load failed: {task.exception()}"
+            else:
+                outcomes[engine] = task.result() or ""
+        loaded = [e for e, failure in outcomes.items() if not failure]
+        if not loaded:
+            shutil.rmtree(path, ignore_errors=True)
+            why = "; ".join(f"{e.engine_id}: {f}" for e, f in outcomes.items())
+            raise BackendError(
+                f"weight version {version} loaded on no engine: {why or 'none serving'}",
+                retryable=False,
+            )
+        old, self._published, self._version = self._published, path, version
+        self._fingerprint, self._expected = fingerprint, expected
+        for engine, failure in outcomes.items():
+            if engine.health is EngineHealth.DEAD:
+                continue  # lost meanwhile: asked again when it answers
+            if not failure:
+                engine.health = EngineHealth.HEALTHY
+                engine.failed_probes = 0
+                self.listener.on_engine_refit(engine.engine_id, version)
+            else:
+                engine.backend.forget_weights()
+                self._mark_stale(engine, failure)
+        for engine in self.engines:
+            if engine in outcomes:
+                continue
+            if engine.health is EngineHealth.HEALTHY:  # joined during the publish
+                held = engine.backend.weight_version
+                self._mark_stale(engine, f"joined with weight version {held}, published {version}")
+            if engine.health is not EngineHealth.DEAD:
+                engine.backend.forget_weights()  # suspect ones answer later: stale, then refit
+            if engine.health is EngineHealth.STALE and self.auto_refit:
+                self._schedule_refit(engine)
+        if old is not None and self._own_root:
+            shutil.rmtree(old, ignore_errors=True)
+
+    async def _await_loads(self, targets: list[FleetEngine]) -> None:
+        """Wait for the loads, but not for an engine that stops answering its health
+        probes once another engine holds the new version: its load is cancelled (its
+        weights are then unknown) and it is refit when it answers again. While no load
+        has succeeded, a failed probe cancels nothing (all probes failing at once is more
+        likely this process being slow than every engine hung)."""
+        loads = {e: e.load for e in targets if e.load is not None}
+        while True:
+            pending = [t for t in loads.values() if not t.done()]
+            if not pending:
+                return
+            self._load_watch = watch = asyncio.Event()
+            waiter = asyncio.ensure_future(watch.wait())
+            try:
+                await asyncio.wait([*pending, waiter], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                self._load_watch = None
+                waiter.cancel()
+            if any(
+                t.done() and not t.cancelled() and t.exception() is None and not t.result()
+                for t in loads.values()
+            ):
+                for engine, task in loads.items():
+                    if not task.done() and engine.failed_probes > 0:
+                        task.cancel()
+
+    async def _load(
+        self, engine: FleetEngine, path: Path, version: int, expected: list[float] | None
+    ) -> str:
+        """Load ``path`` into one engine and verify it; '' on success, else why not."""
+        await engine.backend.load_weights_dir(path, version)
+        return await self._verify(engine, version, expected)
 
     # --- control fan-out ---------------------------------------------------------------
 

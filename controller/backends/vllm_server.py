@@ -37,10 +37,12 @@ so :meth:`VLLMServerBackend.verify_weights` tells a restart from a network blip.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -69,11 +71,49 @@ from rolloutlog.controller.backends.torch_backend import sibling_seed
 MANIFEST = "rolloutlog_weights.json"
 #: The weight version tag a vLLM engine reports before anyone set one.
 STARTUP_TAG = "default"
+#: The tag an engine carries while a load is under way: a load cut short (the trainer
+#: killed between the reload and the tag) leaves it, never a tag naming other weights.
+LOADING_TAG = "rolloutlog-loading"
+_TAG = re.compile(r"^rolloutlog-v(\d+)-([0-9a-f]{16})$")
 
 
-def weight_tag(version: int) -> str:
-    """The tag an engine carries (``/update_weight_version``) once it holds ``version``."""
-    return f"rolloutlog-v{version}"
+def weight_tag(version: int, fingerprint: str) -> str:
+    """The tag an engine carries (``/update_weight_version``) once it holds ``version``,
+    whose tensors hash to ``fingerprint`` (:func:`weights_fingerprint`)."""
+    return f"rolloutlog-v{version}-{fingerprint}"
+
+
+def parse_weight_tag(tag: str | None) -> tuple[int, str] | None:
+    """``(version, fingerprint)`` of a tag set by :func:`weight_tag`, else None."""
+    match = _TAG.match(tag or "")
+    return None if match is None else (int(match.group(1)), match.group(2))
+
+
+def weights_fingerprint(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> str:
+    """A content hash of named tensors as an engine loads them (cast to ``dtype``).
+
+    Names, dtypes, shapes and bytes in name order: two runs' weight version 3 differ,
+    the same weights written twice do not. 16 hex digits (blake2b, 8 bytes).
+    """
+    h = hashlib.blake2b(digest_size=8)
+    for name in sorted(tensors):
+        t = tensors[name].detach().to(device="cpu", dtype=dtype).contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def model_dir_fingerprint(model_dir: Path, dtype: torch.dtype) -> str:
+    """:func:`weights_fingerprint` of a model directory's safetensors checkpoint."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise BackendUnavailableError(f"{model_dir}: no *.safetensors to fingerprint")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    return weights_fingerprint(tensors, dtype)
 
 
 class EngineTransportError(FixedRetryError, retryable=True):
@@ -96,7 +136,8 @@ def write_weights_dir(
     """Write one version's tensors as ``root/v{version}-{nonce}/model.safetensors``.
 
     The directory is written under a temporary name and renamed into place, so an
-    engine never reads a half-written checkpoint. A manifest records the version.
+    engine never reads a half-written checkpoint. A manifest records the version and
+    the tensors' :func:`weights_fingerprint`.
     """
     from safetensors.torch import save_file
 
@@ -104,28 +145,38 @@ def write_weights_dir(
     final = root / f"v{version}-{uuid.uuid4().hex[:8]}"
     tmp = root / f".tmp-{final.name}"
     tmp.mkdir()
-    save_file(
-        {
-            name: t.detach().to(device="cpu", dtype=dtype).contiguous().clone()
-            for name, t in tensors.items()
-        },
-        str(tmp / "model.safetensors"),
-    )
-    (tmp / MANIFEST).write_text(json.dumps({"version": version, "tensors": len(tensors)}))
+    cast = {
+        name: t.detach().to(device="cpu", dtype=dtype).contiguous().clone()
+        for name, t in tensors.items()
+    }
+    save_file(cast, str(tmp / "model.safetensors"))
+    manifest = {
+        "version": version,
+        "tensors": len(cast),
+        "fingerprint": weights_fingerprint(cast, dtype),
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest))
     os.replace(tmp, final)
     return final
 
 
-def read_manifest_version(weights_dir: Path) -> int:
-    """The version a weights directory was written for (raises a clear error if none)."""
+def read_manifest(weights_dir: Path) -> tuple[int, str | None]:
+    """``(version, fingerprint)`` a weights directory was written for (clear error if none)."""
     manifest = Path(weights_dir) / MANIFEST
     try:
-        return int(json.loads(manifest.read_text())["version"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        doc = json.loads(manifest.read_text())
+        fingerprint = doc.get("fingerprint")
+        return int(doc["version"]), None if fingerprint is None else str(fingerprint)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise BackendError(
             f"{weights_dir}: not a rolloutlog weights directory ({MANIFEST} unreadable: {exc})",
             retryable=False,
         ) from exc
+
+
+def read_manifest_version(weights_dir: Path) -> int:
+    """The version a weights directory was written for (raises a clear error if none)."""
+    return read_manifest(weights_dir)[0]
 
 
 class VLLMServerBackend(BackendBase):
@@ -195,6 +246,10 @@ class VLLMServerBackend(BackendBase):
         self._torch_dtype: torch.dtype = getattr(torch, dtype)
         self._startup_version = weight_version
         self._weights_known = True
+        #: Fingerprint of the weights this client loaded (None: the start-up weights).
+        self._fingerprint: str | None = None
+        #: The model path the server was started with (``/v1/models`` ``root``).
+        self.served_root: str | None = None
         self._weights_root = None if weights_root is None else Path(weights_root)
         self._own_root = weights_root is None
         self._transport = transport
@@ -290,6 +345,8 @@ class VLLMServerBackend(BackendBase):
             )
         data = models.json().get("data") or [{}]
         self._model_name = data[0].get("id")
+        root = data[0].get("root")
+        self.served_root = None if root is None else str(root)
         served = data[0].get("max_model_len")
         if self._requested_max_model_len is None:
             if not isinstance(served, int):
@@ -514,21 +571,32 @@ class VLLMServerBackend(BackendBase):
         return int(resp.status_code)
 
     async def load_weights_dir(
-        self, weights_dir: str | Path, version: int, *, check_manifest: bool = True
+        self,
+        weights_dir: str | Path,
+        version: int,
+        *,
+        check_manifest: bool = True,
+        fingerprint: str | None = None,
     ) -> None:
         """Make the server load ``weights_dir`` (written for ``version``), then tag it.
 
         Checked: the directory's manifest must name ``version`` (``check_manifest=False``
-        for a model directory, e.g. back to the start-up weights). Drains in-flight
-        requests first. Not retried: if the outcome is unknown (transport error,
-        timeout, 5xx) the weights become unknown and :class:`BackendError` is raised;
-        call this again (a deliberate refit) to make the engine usable.
+        for a model directory, e.g. back to the start-up weights; then ``fingerprint``
+        names its weights). Drains in-flight requests first. The engine is tagged
+        :data:`LOADING_TAG` before the reload and :func:`weight_tag` after it, so its tag
+        never names weights it does not hold. Not retried: if the outcome is unknown
+        (transport error, timeout, 5xx, cancelled) the weights become unknown and
+        :class:`BackendError` is raised; call this again (a deliberate refit) to make the
+        engine usable.
         """
         httpx = _httpx()
         client = self._client_or_raise()
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise BackendError(f"weight version {version!r} must be an int >= 0", retryable=False)
-        written_for = read_manifest_version(Path(weights_dir)) if check_manifest else version
+        if check_manifest:
+            written_for, fingerprint = read_manifest(Path(weights_dir))
+        else:
+            written_for = version
         if written_for != version:
             raise BackendError(
                 f"{weights_dir} holds weight version {written_for}, not {version}",
@@ -541,6 +609,7 @@ class VLLMServerBackend(BackendBase):
         }
         async with self._gate.swapping():
             try:
+                tagged = await self._set_tag(client, LOADING_TAG)
                 resp = await client.post(
                     "/collective_rpc", json=body, timeout=self.control_timeout + 5
                 )
@@ -549,7 +618,12 @@ class VLLMServerBackend(BackendBase):
                     f"weight load of version {version} has an unknown "
                     f"outcome ({type(exc).__name__}: {exc}); refit before serving",
                 ) from exc
+            except BaseException:  # cancelled (the engine was given up): outcome unknown
+                self._weights_known = False
+                raise
             if 400 <= resp.status_code < 500:  # refused before anything was loaded
+                if tagged:  # the weights did not change: neither does the tag
+                    await self._restore_tag(client)
                 raise BackendError(
                     f"{self.engine_id}: weight load of version {version} refused "
                     f"({resp.status_code}): {resp.text[:300]} (is VLLM_SERVER_DEV_MODE=1 set?)",
@@ -560,25 +634,61 @@ class VLLMServerBackend(BackendBase):
                     f"weight load of version {version} failed "
                     f"({resp.status_code}): {resp.text[:300]}; refit before serving",
                 )
-            await self._reset_prefix_cache(client, version)
-            await self._tag(client, version)
+            try:
+                await self._reset_prefix_cache(client, version)
+                await self._tag(client, version, fingerprint)
+            except BaseException:
+                self._weights_known = False
+                raise
             self._weight_version = version
+            self._fingerprint = fingerprint
             self._weights_known = True
 
-    async def _tag(self, client: Any, version: int) -> None:
-        """Tag the engine with ``version`` (``/update_weight_version``) and read it back.
+    async def _set_tag(self, client: Any, tag: str) -> bool:
+        """Set the engine's weight tag; False if the server has no tag endpoint (404)."""
+        resp = await client.post(
+            "/update_weight_version", json={"new_version": tag}, timeout=self.health_timeout
+        )
+        if resp.status_code == 404:
+            return False
+        if resp.status_code != 200:
+            raise BackendError(
+                f"{self.engine_id}: could not set the weight tag ({resp.status_code}): "
+                f"{resp.text[:300]}",
+                retryable=False,
+            )
+        return True
+
+    async def _restore_tag(self, client: Any) -> None:
+        """Best effort: the tag of the weights still held, after a refused load."""
+        if not self._weights_known:
+            return
+        tag = (
+            STARTUP_TAG
+            if self._fingerprint is None
+            else weight_tag(self._weight_version, self._fingerprint)
+        )
+        httpx = _httpx()
+        try:
+            await self._set_tag(client, tag)
+        except (httpx.TransportError, httpx.TimeoutException, BackendError):
+            self._weights_known = False
+
+    async def _tag(self, client: Any, version: int, fingerprint: str | None) -> None:
+        """Tag the engine with ``version`` and ``fingerprint`` and read the tag back.
 
         The tag lives in the engine process: a restarted engine reports vLLM's start-up
         tag (``"default"``) again, which is how :meth:`verify_weights` tells a restart
-        from a blip. A server without the endpoints (404) is used untagged.
+        from a blip, and a new run tells an engine with an earlier run's weights (another
+        fingerprint) from one with its own. A server without the endpoints (404) is used
+        untagged; weights without a fingerprint leave the loading tag (not identifiable).
         """
         httpx = _httpx()
-        tag = weight_tag(version)
+        if fingerprint is None:
+            return
+        tag = weight_tag(version, fingerprint)
         try:
-            resp = await client.post(
-                "/update_weight_version", json={"new_version": tag}, timeout=self.health_timeout
-            )
-            if resp.status_code == 404:
+            if not await self._set_tag(client, tag):
                 return
             held = await self.served_weight_tag()
         except (httpx.TransportError, httpx.TimeoutException) as exc:
@@ -586,10 +696,10 @@ class VLLMServerBackend(BackendBase):
                 f"could not tag weight version {version} "
                 f"({type(exc).__name__}: {exc}); refit before serving",
             ) from exc
-        if resp.status_code != 200 or held != tag:  # someone else tagged it, or it restarted
+        if held != tag:  # someone else tagged it, or it restarted
             raise self._weights_lost(
                 f"weight version tag check failed after loading version "
-                f"{version} (status {resp.status_code}, engine reports {held!r})",
+                f"{version} (engine reports {held!r})",
             )
 
     async def served_weight_tag(self) -> str | None:
@@ -601,29 +711,81 @@ class VLLMServerBackend(BackendBase):
         value = resp.json().get("weight_version")
         return None if value is None else str(value)
 
+    def assume_weights(self, version: int, fingerprint: str | None) -> None:
+        """Believe the server holds ``version`` (``fingerprint``; None: the start-up
+        weights): what the fleet found out by asking it (:meth:`served_weight_tag`)."""
+        self._weight_version = version
+        self._fingerprint = fingerprint
+        self._weights_known = True
+
     async def verify_weights(self) -> bool:
         """Whether the engine still holds the weights this client believes it holds.
 
-        True if its tag names our version (or, before any load of ours, is vLLM's
-        start-up tag and we hold the start-up version). On False the weights become
-        unknown: refit before serving. Without tagging support, always False.
+        True if its tag names our version and fingerprint (or, before any load of ours,
+        is vLLM's start-up tag). On False the weights become unknown: refit before
+        serving. Without tagging support, always False.
         """
         httpx = _httpx()
         try:
             held = await self.served_weight_tag()
         except (httpx.TransportError, httpx.TimeoutException, ValueError):
             held = None
-        ok = (
-            self._weights_known
-            and held is not None
-            and (
-                held == weight_tag(self._weight_version)
-                or (held == STARTUP_TAG and self._weight_version == self._startup_version)
-            )
+        expected = (
+            STARTUP_TAG
+            if self._fingerprint is None
+            else weight_tag(self._weight_version, self._fingerprint)
         )
+        ok = self._weights_known and held is not None and held == expected
         if not ok:
             self._weights_known = False
         return bool(ok)
+
+    async def prompt_logprobs(self, prompt: tuple[int, ...]) -> list[float]:
+        """The engine's logprob of each prompt token after the first (teacher forcing).
+
+        ``POST /v1/completions`` with ``prompt_logprobs: 0`` and one greedy token: the
+        weight probe (:class:`~rolloutlog.controller.backends.fleet.WeightProbe`). Any
+        failure is a :class:`BackendError`.
+        """
+        httpx = _httpx()
+        client = self._client_or_raise()
+        body: dict[str, Any] = {
+            "prompt": list(prompt),
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": 0,
+            "return_token_ids": True,
+            "n": 1,
+            "stream": False,
+        }
+        if self._model_name is not None:
+            body["model"] = self._model_name
+        rid = f"probe-{self._nonce}-{next(self._ids)}"
+        try:
+            resp = await client.post(
+                "/v1/completions",
+                json=body,
+                headers={"X-Request-Id": rid},
+                timeout=self.control_timeout,
+            )
+        except (httpx.TransportError, httpx.TimeoutException) as exc:
+            raise EngineTransportError(
+                f"{self.engine_id}: weight probe: {type(exc).__name__}: {exc}"
+            ) from exc
+        if resp.status_code != 200:
+            raise BackendError(
+                f"{self.engine_id}: weight probe answered {resp.status_code}: {resp.text[:300]}",
+                retryable=False,
+            )
+        try:
+            rows = resp.json()["choices"][0]["prompt_logprobs"]
+            return [float(rows[i][str(tok)]["logprob"]) for i, tok in enumerate(prompt) if i]
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise BackendError(
+                f"{self.engine_id}: weight probe: malformed prompt_logprobs "
+                f"({type(exc).__name__}: {exc})",
+                retryable=False,
+            ) from exc
 
     async def _reset_prefix_cache(self, client: Any, version: int) -> None:
         """Cached KV blocks were computed with the old weights: drop them (idempotent)."""

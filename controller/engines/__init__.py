@@ -50,8 +50,14 @@ def build_fleet(
         )
         for i, url in enumerate(urls)
     ]
+    probe = None
+    if model_dir is not None and config.probe_tolerance_nats is not None:
+        from rolloutlog.controller.backends.weight_probe import WeightProbe
+
+        probe = WeightProbe(Path(model_dir), config.probe_tolerance_nats)
     return FleetBackend(
         engines,
+        weight_probe=probe,
         weight_version=weight_version,
         model_dir=model_dir,
         weights_root=config.weights_root,

@@ -81,6 +81,13 @@ class FleetConfig(BaseModel):
     auto_refit: bool = Field(
         True, description="Refit an engine that answers again to the published weights."
     )
+    probe_tolerance_nats: float | None = Field(
+        1e-3,
+        gt=0,
+        description="Weight probe: an engine serves a weight version only if a fixed "
+        "prompt's logprobs match the reference model's within this many nats (checked at "
+        "every join and load; needs model_dir); null turns the probe off.",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> FleetConfig:

@@ -68,7 +68,9 @@ def server_command(config: LaunchConfig, port: int, python: str = sys.executable
         "-m",
         "vllm.entrypoints.openai.api_server",
         "--model",
-        str(config.model_dir),
+        # Absolute: the fleet identifies an engine's start-up weights by this path
+        # (``/v1/models`` reports it as ``root``).
+        str(Path(config.model_dir).resolve()),
         "--host",
         config.host,
         "--port",
@@ -214,10 +216,12 @@ class LocalEngineLauncher:
         self._procs.clear()
 
     def state(self) -> dict[str, object]:
-        """What ``rolloutlog engines stop`` needs to find the engines again."""
+        """What ``rolloutlog engines stop|restart`` need to find (and start) the engines."""
         return {
             "engines": [asdict(e) for e in self.engines],
             "stop_timeout_s": self.config.stop_timeout_s,
+            "launch": self.config.model_dump(mode="json"),
+            "python": self.python,
         }
 
     def __enter__(self) -> LocalEngineLauncher:
@@ -272,3 +276,48 @@ def stop_from_state(state_file: Path) -> list[str]:
         stop_group(int(engine["pid"]), float(state.get("stop_timeout_s", 20.0)))
         stopped.append(str(engine["engine_id"]))
     return stopped
+
+
+def restart_from_state(
+    state_file: Path, engine_ids: tuple[str, ...] = (), *, ready_timeout_s: float | None = None
+) -> list[EngineProcess]:
+    """Restart engines recorded by ``rolloutlog engines start`` (all, or ``engine_ids``).
+
+    Each is stopped (SIGTERM to its group, SIGKILL after the deadline) and started again
+    on its port with the recorded settings; the state file is rewritten with the new
+    processes before waiting for them, so ``engines stop`` finds them even if one never
+    gets ready. A restarted engine serves its model's start-up weights: a fleet refits it
+    before it serves. Returns the restarted engines.
+    """
+    state = json.loads(Path(state_file).read_text())
+    if "launch" not in state:
+        raise EngineLaunchError(
+            f"{state_file} has no launch settings (written by an older rolloutlog): "
+            f"`rolloutlog engines stop --state-file {state_file}`, then `engines start`"
+        )
+    engines = [EngineProcess(**e) for e in state["engines"]]
+    known = [e.engine_id for e in engines]
+    unknown = [i for i in engine_ids if i not in known]
+    if unknown:
+        raise EngineLaunchError(f"{state_file} records no engine {unknown} (engines: {known})")
+    config = LaunchConfig.model_validate(state["launch"])
+    update: dict[str, object] = {}
+    if config.log_dir is None and engines:  # the logs stay where `start` put them
+        update["log_dir"] = Path(engines[0].log_path).parent
+    if ready_timeout_s is not None:
+        update["ready_timeout_s"] = ready_timeout_s
+    launcher = LocalEngineLauncher(
+        config.model_copy(update=update), python=str(state.get("python") or sys.executable)
+    )
+    launcher.engines = engines
+    restarted: list[EngineProcess] = []
+    for index, engine in enumerate(engines):
+        if engine_ids and engine.engine_id not in engine_ids:
+            continue
+        stop_group(engine.pid, config.stop_timeout_s)
+        launcher.engines[index] = launcher._spawn(index)
+        restarted.append(launcher.engines[index])
+    state.update(engines=[asdict(e) for e in launcher.engines])
+    Path(state_file).write_text(json.dumps(state, indent=2))
+    launcher.wait_ready(restarted)
+    return restarted

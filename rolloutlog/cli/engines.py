@@ -3,7 +3,9 @@
 ``engines start`` launches ``--count`` servers (each in its own process group, left
 running when the command exits), waits until every one answers ``/health``, prints
 their URLs (one a line, or ``--json``) and records them in ``--state-file``;
-``engines stop`` stops them (SIGTERM to each group, SIGKILL after a deadline).
+``engines restart`` stops and starts them again (all, or ``--engine ID``) with the
+recorded settings; ``engines stop`` stops them (SIGTERM to each group, SIGKILL after a
+deadline).
 """
 
 from __future__ import annotations
@@ -75,8 +77,9 @@ def start(
 
     if state_file.exists():
         raise click.ClickException(
-            f"{state_file} exists: engines may be running; `rolloutlog engines stop "
-            f"--state-file {state_file}` first"
+            f"{state_file} exists: engines may be running; `rolloutlog engines restart "
+            f"--state-file {state_file}` restarts them, `rolloutlog engines stop "
+            f"--state-file {state_file}` stops them"
         )
     try:
         launch = picked(
@@ -117,3 +120,44 @@ def stop(state_file: Path) -> None:
     for engine_id in stop_from_state(state_file):
         click.echo(f"stopped {engine_id}")
     state_file.unlink()
+
+
+@engines.command("restart")
+@_state_file_option(help="The file `engines start` wrote (rewritten with the new processes).")
+@click.option(
+    "--engine",
+    "engine_ids",
+    multiple=True,
+    help="Restart only this engine (repeatable; default: every recorded engine).",
+)
+@click.option(
+    "--ready-timeout", type=float, default=None, help="Seconds to /health 200 (default: start's)."
+)
+@json_option()
+def restart(
+    state_file: Path, engine_ids: tuple[str, ...], ready_timeout: float | None, as_json: bool
+) -> None:
+    """Restart the engines recorded in the state file on their ports and print their URLs.
+
+    A restarted engine serves its model's start-up weights; a run's fleet finds that out
+    when it asks the engine, and refits it before it serves.
+    """
+    from rolloutlog.controller.engines.local import EngineLaunchError, restart_from_state
+
+    if not state_file.is_file():
+        raise click.ClickException(
+            f"{state_file}: no engines recorded (nothing to restart; `rolloutlog engines start`)"
+        )
+    try:
+        restarted = restart_from_state(state_file, engine_ids, ready_timeout_s=ready_timeout)
+    except EngineLaunchError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        json.dump(
+            {"restarted": [e.engine_id for e in restarted], "urls": [e.url for e in restarted]},
+            sys.stdout,
+        )
+        sys.stdout.write("\n")
+    else:
+        for engine in restarted:
+            click.echo(f"restarted {engine.engine_id} {engine.url}")

@@ -20,6 +20,7 @@ from rolloutlog.controller.backends.deterministic_backend import DeterministicBa
 from rolloutlog.controller.backends.fake_engine import FakeEngineServer
 from rolloutlog.controller.backends.fleet import EngineHealth, FleetBackend
 from rolloutlog.controller.backends.vllm_server import VLLMServerBackend
+from rolloutlog.controller.backends.weight_probe import WeightProbe
 
 
 def _free_port() -> int:
@@ -42,6 +43,7 @@ class InProcessFakeFleet(FleetBackend):
         seed: int,
         latency_s: float,
         weight_version: int,
+        probe_tolerance_nats: float | None = None,
     ) -> None:
         self._make = lambda port: FakeEngineServer(
             DeterministicBackend(
@@ -53,6 +55,7 @@ class InProcessFakeFleet(FleetBackend):
             latency=latency_s,
             max_model_len=max_model_len,
             port=port,
+            model_dir=model_dir,
         )
         self.servers = [self._make(_free_port()) for _ in range(count)]
         super().__init__(
@@ -64,6 +67,11 @@ class InProcessFakeFleet(FleetBackend):
             weight_version=weight_version,
             health_interval=0.1,
             dead_after=2,
+            weight_probe=(
+                None
+                if probe_tolerance_nats is None
+                else WeightProbe(model_dir, probe_tolerance_nats)
+            ),
         )
 
     async def start(self) -> None:

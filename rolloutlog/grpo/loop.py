@@ -119,6 +119,7 @@ def make_backend(
             # Engines start with model_dir's weights (version 0), also on a resume:
             # sync_weights then loads the restored trainer's on every engine.
             weight_version=0,
+            probe_tolerance_nats=cfg.fleet.probe_tolerance_nats,
         )
     if kind == "vllm-fleet":
         from rolloutlog.controller.backends.fleet import FleetBackend
@@ -126,14 +127,20 @@ def make_backend(
 
         if not cfg.fleet.urls:
             raise ValueError("backend vllm-fleet needs fleet.urls (the engines' base URLs)")
-        # The engines start with model_dir's weights (version 0): the fleet treats them
-        # as stale until refit to the published version, so a resume can sync first.
+        from rolloutlog.controller.backends.weight_probe import WeightProbe
+
+        # The fleet starts at version 0, model_dir's weights: it asks each engine which
+        # weights it serves and refits the ones that hold others (an earlier run's, a
+        # killed epoch's) from model_dir before they serve; a resume then syncs the
+        # restored trainer's weights onto every engine.
+        tolerance = cfg.fleet.probe_tolerance_nats
         return FleetBackend(
             [
                 VLLMServerBackend(url, model_dir=model_dir, engine_id=f"engine-{i}")
                 for i, url in enumerate(cfg.fleet.urls)
             ],
             model_dir=model_dir,
+            weight_probe=None if tolerance is None else WeightProbe(model_dir, tolerance),
         )
     from rolloutlog.controller.backends.deterministic_backend import DeterministicBackend
 

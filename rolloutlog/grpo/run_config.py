@@ -64,6 +64,13 @@ class FleetRunConfig(BaseModel):
     latency_s: float = Field(
         0.02, ge=0, description="fake-fleet: seconds each fake engine takes per request."
     )
+    probe_tolerance_nats: float | None = Field(
+        1e-3,
+        gt=0,
+        description="Weight probe: an engine serves a weight version only if a fixed "
+        "prompt's logprobs match the trainer's model of that version within this many "
+        "nats (checked at every join and load); null turns the probe off.",
+    )
 
 
 class RunConfig(BaseModel):

@@ -205,6 +205,7 @@ def fake_engine_session_backend(tiny_model_dir: Path, run: Runner) -> Iterator[G
         make_backend("deterministic", model_dir=tiny_model_dir, max_model_len=MAX_MODEL_LEN),
         latency=lambda group: 30.0 if group >= SLOW_GROUP_BASE else 0.0,
         max_model_len=MAX_MODEL_LEN,
+        model_dir=tiny_model_dir,
     )
     run(server.start())
     backend = VLLMServerBackend(server.url, model_dir=tiny_model_dir, engine_id="fake-0")
@@ -227,6 +228,7 @@ def fake_fleet_session_backend(tiny_model_dir: Path, run: Runner) -> Iterator[Ge
             make_backend("deterministic", model_dir=tiny_model_dir, max_model_len=MAX_MODEL_LEN),
             latency=lambda group: 30.0 if group >= SLOW_GROUP_BASE else 0.0,
             max_model_len=MAX_MODEL_LEN,
+            model_dir=tiny_model_dir,
         )
         for _ in range(2)
     ]

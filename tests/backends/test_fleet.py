@@ -96,6 +96,7 @@ async def _fake_fleet(
             DeterministicBackend(vocab_size=55, max_model_len=MAX_MODEL_LEN, eos_token_id=2),
             latency=latency,
             max_model_len=MAX_MODEL_LEN,
+            model_dir=model_dir,
         )
         await server.start()
         servers.append(server)
@@ -158,6 +159,7 @@ def test_lost_engine_fails_retryable_and_returns_stale_until_refit(
                 latency=0.5,
                 max_model_len=MAX_MODEL_LEN,
                 port=servers[1].port,
+                model_dir=tiny_model_dir,
             )
             await servers[1].start()
             await until(lambda: fleet.health()["e1"] is EngineHealth.STALE, 5, "e1 stale")
@@ -199,7 +201,7 @@ def test_a_blip_keeps_the_weights_a_restart_does_not(
         )
         try:
             await fleet.update_weights(base_weights.items(), 1)
-            assert servers[0].weight_tag == "rolloutlog-v1"
+            assert servers[0].weight_tag.startswith("rolloutlog-v1-")
             fleet._suspect(fleet.engines[0], "a request timed out")  # a blip
             assert fleet.health()["e0"] is EngineHealth.SUSPECT
             await until(lambda: fleet.health()["e0"] is EngineHealth.HEALTHY, 5, "e0 healthy")
@@ -368,8 +370,10 @@ def test_sigkill_one_vllm_engine_then_restart_and_refit(
         assert alone.logprobs == pytest.approx(score(other, PROMPT, alone.token_ids), abs=1e-3)
         assert alone.logprobs != pytest.approx(score(start_up, PROMPT, alone.token_ids), abs=1e-3)
         kinds = recorder.kinds("engine-1")
-        assert kinds[:2] == ["joined", "refit"]
-        assert kinds[2:] == ["lost", "joined", "stale", "refit"]
+        # The session's engines may hold weights an earlier test's client loaded (its own
+        # version numbers): then the fleet refits them at its start ("stale", "refit").
+        assert kinds[:-4] in (["joined", "refit"], ["joined", "stale", "refit", "refit"])
+        assert kinds[-4:] == ["lost", "joined", "stale", "refit"]
     finally:
         # The session's other clients expect the start-up weights on both engines.
         if fleet.health()["engine-1"] is EngineHealth.HEALTHY:

@@ -175,7 +175,7 @@ def test_weight_load_with_unknown_outcome_makes_the_engine_stale(
 def test_load_weights_dir_checks_the_manifest_version(
     tiny_model_dir: Path, run: Runner, base_weights: dict[str, torch.Tensor], tmp_path: Path
 ) -> None:
-    from rolloutlog.controller.backends.vllm_server import write_weights_dir
+    from rolloutlog.controller.backends.vllm_server import read_manifest, write_weights_dir
 
     transport, calls = scripted(lambda req: httpx.Response(200, json=GOOD))
     backend = client(transport, tiny_model_dir)
@@ -187,7 +187,7 @@ def test_load_weights_dir_checks_the_manifest_version(
     run(backend.load_weights_dir(path, 4))
     assert backend.weight_version == 4
     assert calls[-2:] == ["/update_weight_version", "/weight_info"]  # tagged, read back
-    assert run(backend.served_weight_tag()) == "rolloutlog-v4"
+    assert run(backend.served_weight_tag()) == f"rolloutlog-v4-{read_manifest(path)[1]}"
     assert run(backend.verify_weights()) is True
 
 

@@ -198,6 +198,7 @@ def test_cli_engines_start_and_stop_errors(tmp_path: Path) -> None:
     state.write_text(json.dumps({"engines": []}))
     result = runner.invoke(main, ["engines", "start", "--model", "x", "--state-file", str(state)])
     assert result.exit_code != 0 and "exists" in result.output
+    assert "engines restart" in result.output
 
 
 @pytest.mark.parametrize("model", [FleetConfig, LaunchConfig], ids=lambda m: m.__name__)
@@ -217,3 +218,57 @@ def test_fleet_config_fields_documented_with_defaults(model: type) -> None:
         if isinstance(default, str | int | float) and not isinstance(default, bool):
             shown = str(default)
         assert f"`{shown}`" in line, f"{model.__name__}.{name}: `{shown}` not in {line}"
+
+
+@pytest.mark.slow
+def test_cli_engines_restart(stand_in_python: str, model_dir: Path, tmp_path: Path) -> None:
+    """`engines restart` stops and starts the recorded engines on their ports with the
+    recorded settings (all, or --engine), and rewrites the state file for `stop`."""
+    from rolloutlog.controller.engines.local import health_ok
+
+    state = tmp_path / "engines.json"
+    launcher = LocalEngineLauncher(_config(model_dir, tmp_path), python=stand_in_python)
+    engines = launcher.start()
+    state.write_text(json.dumps(launcher.state()))
+    old = [e.pid for e in engines]
+    new: list[int] = []
+    runner = CliRunner()
+    try:
+        result = runner.invoke(
+            main, ["engines", "restart", "--state-file", str(state), "--engine", "engine-1"]
+        )
+        assert result.exit_code == 0, result.output
+        assert result.output == f"restarted engine-1 {engines[1].url}\n"
+        recorded = json.loads(state.read_text())["engines"]
+        assert recorded[0]["pid"] == old[0] and recorded[1]["pid"] != old[1]
+        assert not _group_alive(old[1]) and _group_alive(old[0])
+        assert health_ok(engines[1].url)
+        result = runner.invoke(main, ["engines", "restart", "--state-file", str(state), "--json"])
+        assert result.exit_code == 0, result.output
+        doc = json.loads(result.output)
+        assert doc == {"restarted": ["engine-0", "engine-1"], "urls": [e.url for e in engines]}
+        new = [e["pid"] for e in json.loads(state.read_text())["engines"]]
+        assert not any(_group_alive(p) for p in old) and all(_group_alive(p) for p in new)
+        assert all(health_ok(e.url) for e in engines)
+    finally:
+        result = runner.invoke(main, ["engines", "stop", "--state-file", str(state)])
+        launcher.stop()
+    assert result.exit_code == 0, result.output
+    assert not any(_group_alive(p) for p in new)
+
+
+def test_cli_engines_restart_errors(tmp_path: Path) -> None:
+    runner = CliRunner()
+    state = tmp_path / "engines.json"
+    result = runner.invoke(main, ["engines", "restart", "--state-file", str(state)])
+    assert result.exit_code != 0 and "nothing to restart" in result.output
+    state.write_text(json.dumps({"engines": [], "stop_timeout_s": 1}))
+    result = runner.invoke(main, ["engines", "restart", "--state-file", str(state)])
+    assert result.exit_code != 0 and "no launch settings" in result.output
+    state.write_text(
+        json.dumps({"engines": [], "launch": {"model_dir": str(tmp_path)}, "python": "py"})
+    )
+    result = runner.invoke(
+        main, ["engines", "restart", "--state-file", str(state), "--engine", "engine-9"]
+    )
+    assert result.exit_code != 0 and "records no engine ['engine-9']" in result.output

@@ -1,0 +1,334 @@
+"""Which weights does a fleet engine serve? Asked at every join, verified by a probe;
+and a hung engine during a publish holds up only itself.
+
+Fake HTTP engines (real loopback TCP) that hold real tensors of the tiny model: a weight
+load is kept across clients (as vLLM keeps it), ``prompt_logprobs`` are computed with the
+held tensors, and an engine can hang (as under SIGSTOP).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from rolloutlog.controller.backends import BackendError
+from rolloutlog.controller.backends.deterministic_backend import DeterministicBackend
+from rolloutlog.controller.backends.fake_engine import FakeEngineServer
+from rolloutlog.controller.backends.fleet import EngineHealth, FleetBackend
+from rolloutlog.controller.backends.vllm_server import (
+    LOADING_TAG,
+    VLLMServerBackend,
+    model_dir_fingerprint,
+    write_weights_dir,
+)
+from rolloutlog.controller.backends.weight_probe import WeightProbe
+
+from .conftest import MAX_MODEL_LEN, Runner
+from .test_fleet import Recorder, request, until
+
+
+def trained(base: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
+    """Weights of "train step" ``step``: visibly other logprobs than the base."""
+    gen = torch.Generator().manual_seed(step)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in base.items()}
+
+
+async def start_fakes(model_dir: Path, n: int, latency: float = 0.0) -> list[FakeEngineServer]:
+    servers = []
+    for _ in range(n):
+        server = FakeEngineServer(
+            DeterministicBackend(vocab_size=55, max_model_len=MAX_MODEL_LEN, eos_token_id=2),
+            latency=latency,
+            max_model_len=MAX_MODEL_LEN,
+            model_dir=model_dir,
+        )
+        await server.start()
+        servers.append(server)
+    return servers
+
+
+def fleet_on(
+    servers: list[FakeEngineServer], model_dir: Path, recorder: Recorder, **kwargs: Any
+) -> FleetBackend:
+    return FleetBackend(
+        [
+            VLLMServerBackend(s.url, model_dir=model_dir, engine_id=f"e{i}")
+            for i, s in enumerate(servers)
+        ],
+        model_dir=model_dir,
+        listener=recorder,
+        **kwargs,
+    )
+
+
+def test_engines_reused_from_an_earlier_run_are_refit_before_they_serve(
+    tiny_model_dir: Path, run: Runner, base_weights: dict[str, torch.Tensor]
+) -> None:
+    """Run r1 publishes versions 1-3 and ends; run r2 starts on the same engines at
+    version 0. Before: r2 trusted them as version 0 and served r1's final weights."""
+    r2 = Recorder()
+    start_up = model_dir_fingerprint(tiny_model_dir, torch.float32)
+
+    async def scenario() -> list[tuple[str, int, str | None]]:
+        servers = await start_fakes(tiny_model_dir, 2)
+        try:
+            first = fleet_on(servers, tiny_model_dir, Recorder())
+            await first.start()
+            for version in (1, 2, 3):
+                await first.update_weights(trained(base_weights, version).items(), version)
+            await first.close()  # r1 ends; its engines keep r1's version 3
+            assert {s.fingerprint for s in servers} != {start_up}
+            second = fleet_on(servers, tiny_model_dir, r2)
+            await second.start()
+            try:
+                assert r2.routed == []
+                assert second.health() == {"e0": EngineHealth.HEALTHY, "e1": EngineHealth.HEALTHY}
+                before = [len(s.served_with) for s in servers]
+                results = await asyncio.gather(*(second.generate(request(g)) for g in range(8)))
+                assert {r.weight_version for rs in results for r in rs} == {0}
+                return [e for s, n in zip(servers, before, strict=True) for e in s.served_with[n:]]
+            finally:
+                await second.close()
+        finally:
+            for s in servers:
+                await s.stop()
+
+    served = run(scenario(), timeout=60)
+    assert len(served) == 16
+    # Every sibling labelled version 0 was generated with version 0's (model_dir's) weights.
+    assert {(version, fingerprint) for _rid, version, fingerprint in served} == {(0, start_up)}
+    for engine in ("e0", "e1"):
+        assert [e for e in r2.events if e[1] == engine] == [
+            ("joined", engine, None),  # asked: r1's weights are not r2's version 0
+            ("stale", engine),
+            ("refit", engine, 0),
+        ]
+
+
+def test_an_engine_left_mid_load_or_on_another_model_is_not_trusted(
+    tiny_model_dir: Path, other_model_dir: Path, run: Runner
+) -> None:
+    """A load cut short (the trainer killed between reload and tag) leaves the loading
+    tag; an engine started on another model keeps vLLM's start-up tag: neither joins
+    with a version; both are refit from the run's model directory."""
+    recorder = Recorder()
+
+    async def scenario() -> None:
+        servers = await start_fakes(tiny_model_dir, 1)
+        servers += await start_fakes(other_model_dir, 1)
+        servers[0].weight_tag = LOADING_TAG
+        fleet = fleet_on(servers, tiny_model_dir, recorder, auto_refit=False)
+        await fleet.start()
+        try:
+            assert fleet.health() == {"e0": EngineHealth.STALE, "e1": EngineHealth.STALE}
+        finally:
+            await fleet.close()
+            for s in servers:
+                await s.stop()
+
+    run(scenario(), timeout=60)
+    assert ("joined", "e0", None) in recorder.events
+    assert ("joined", "e1", None) in recorder.events
+
+
+def test_the_probe_catches_an_engine_that_claims_weights_it_does_not_serve(
+    tiny_model_dir: Path, run: Runner, base_weights: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    """An engine whose tag says start-up weights but which holds others is caught at its
+    join; an engine that acknowledges a reload without loading is caught at its refit."""
+    recorder = Recorder()
+    other = write_weights_dir(trained(base_weights, 7), 7, tmp_path, torch.float32)
+
+    async def scenario() -> str:
+        servers = await start_fakes(tiny_model_dir, 2)
+        # Engine 0 loaded other weights behind the tag's back (the tag still says
+        # "default"): only its logprobs tell.
+        status, _ = await servers[0]._rpc(
+            {"method": "reload_weights", "kwargs": {"weights_path": str(other)}}
+        )
+        assert status == 200 and servers[0].weight_tag == "default"
+        fleet = fleet_on(
+            servers, tiny_model_dir, recorder, weight_probe=WeightProbe(tiny_model_dir, 1e-3)
+        )
+        await fleet.start()
+        try:
+            assert fleet.health() == {"e0": EngineHealth.HEALTHY, "e1": EngineHealth.HEALTHY}
+            # Engine 1 now answers reloads with 200 but keeps what it holds.
+            servers[1].ignore_reloads = True
+            await fleet.update_weights(trained(base_weights, 1).items(), 1)
+            assert fleet.health() == {"e0": EngineHealth.HEALTHY, "e1": EngineHealth.STALE}
+            with pytest.raises(BackendError, match="weight probe") as refit_error:
+                await fleet.refit("e1")
+            assert fleet.health()["e1"] is EngineHealth.STALE
+            results = await asyncio.gather(*(fleet.generate(request(g)) for g in range(6)))
+            assert {r.engine_id for rs in results for r in rs} == {"e0"}
+            return str(refit_error.value)
+        finally:
+            await fleet.close()
+            for s in servers:
+                await s.stop()
+
+    message = run(scenario(), timeout=60)
+    assert [e for e in recorder.events if e[1] == "e0"][:3] == [
+        ("joined", "e0", None),  # the probe disproved the start-up tag
+        ("stale", "e0"),
+        ("refit", "e0", 0),
+    ]
+    assert ("joined", "e1", 0) in recorder.events
+    assert ("refit", "e1", 1) not in recorder.events
+    assert "logprobs differ from weight version 1's by" in message
+    assert "tolerance 0.001" in message
+
+
+def test_a_hung_engine_during_a_publish_stalls_only_itself(
+    tiny_model_dir: Path, run: Runner, base_weights: dict[str, torch.Tensor]
+) -> None:
+    """One engine hangs (as under SIGSTOP) during a publish: the publish completes
+    on the two others within one health probe, requests are served meanwhile, the
+    hung engine's load is cancelled and it is refit (once) when it answers again.
+    Before: every engine waited control_timeout + 5 s for the hung one's load."""
+    recorder = Recorder()
+    interval, timeout = 0.2, 0.5
+
+    async def scenario() -> dict[str, float]:
+        servers = await start_fakes(tiny_model_dir, 3, latency=0.05)
+        fleet = fleet_on(
+            servers,
+            tiny_model_dir,
+            recorder,
+            health_interval=interval,
+            health_timeout=timeout,
+            dead_after=3,
+        )
+        await fleet.start()
+        try:
+            await fleet.update_weights(trained(base_weights, 1).items(), 1)
+            busy = [asyncio.ensure_future(fleet.generate(request(g))) for g in range(6)]
+            await until(lambda: all(s._tasks for s in servers[:2]), 5, "work on e0, e1")
+            servers[2].pause_on_reload = True  # hangs in the middle of the publish
+            t0 = time.monotonic()
+            await fleet.update_weights(trained(base_weights, 2).items(), 2)
+            publish = time.monotonic() - t0
+            t1 = time.monotonic()
+            after = await asyncio.gather(*(fleet.generate(request(100 + g)) for g in range(6)))
+            serve = time.monotonic() - t1
+            assert {r.weight_version for rs in after for r in rs} == {2}
+            assert {r.engine_id for rs in after for r in rs} == {"e0", "e1"}
+            done = await asyncio.gather(*busy, return_exceptions=True)
+            on_healthy = [o for o in done if isinstance(o, list)]
+            assert on_healthy and all(r.weight_version == 1 for rs in on_healthy for r in rs)
+            assert fleet.health()["e2"] in (EngineHealth.STALE, EngineHealth.DEAD)
+            servers[2].resume()  # SIGCONT
+            await until(lambda: fleet.health()["e2"] is EngineHealth.HEALTHY, 10, "e2 refit")
+            assert servers[2].backend.weight_version == 2
+            back = await asyncio.gather(*(fleet.generate(request(200 + g)) for g in range(9)))
+            assert "e2" in {r.engine_id for rs in back for r in rs}
+            await asyncio.sleep(3 * interval)  # no second refit afterwards
+            return {"publish": publish, "serve": serve}
+        finally:
+            await fleet.close()
+            for s in servers:
+                await s.stop()
+
+    took = run(scenario(), timeout=60)
+    # One health probe: its timeout (the hung engine does not answer) plus the interval
+    # the publish may have just missed; the healthy engines' own load takes milliseconds.
+    assert took["publish"] < interval + timeout + 0.5, took
+    assert took["serve"] < 1.0, took
+    assert [e for e in recorder.events if e[0] == "refit" and e[2] == 2].count(
+        ("refit", "e2", 2)
+    ) == 1
+    assert ("refit", "e0", 2) in recorder.events and ("refit", "e1", 2) in recorder.events
+
+
+# --- real vLLM servers -----------------------------------------------------------------
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_engines_reused_from_an_earlier_run_are_refit_and_probed(
+    vllm_server_engines: Any,
+    tiny_model_dir: Path,
+    other_model_dir: Path,
+    run: Runner,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Run r1 leaves other weights (version 1) on both real engines; run r2 asks them,
+    finds r1's fingerprint, refits them to its version 0 (verified by the probe) before
+    anything is served, and its samples score as the model directory's weights."""
+    from rolloutlog.grpo.tiny_model import load_policy
+
+    from .conftest import score
+    from .test_fleet import PROMPT
+
+    other, _ = load_policy(other_model_dir)
+    start_up, _ = load_policy(tiny_model_dir)
+    probe = WeightProbe(tiny_model_dir, 1e-3)
+
+    def fleet(recorder: Recorder) -> FleetBackend:
+        return FleetBackend(
+            [
+                VLLMServerBackend(
+                    e.url,
+                    model_dir=tiny_model_dir,
+                    max_model_len=MAX_MODEL_LEN,
+                    engine_id=e.engine_id,
+                )
+                for e in vllm_server_engines.engines
+            ],
+            model_dir=tiny_model_dir,
+            weight_probe=probe,
+            listener=recorder,
+            health_interval=0.5,
+        )
+
+    first = fleet(Recorder())
+    run(first.start(), timeout=120)
+    try:
+        run(first.update_weights(other.state_dict().items(), 1), timeout=120)
+        assert first.health() == {e: EngineHealth.HEALTHY for e in ("engine-0", "engine-1")}
+        prompt = first._probe_prompt
+        held = run(first.engines[0].backend.prompt_logprobs(prompt), timeout=60)
+    finally:
+        run(first.close())
+    want_other = probe.expected_for_tensors(other.state_dict(), prompt)
+    want_start = probe.expected_for_dir(tiny_model_dir, prompt)
+    recorder = Recorder()
+    second = fleet(recorder)
+    run(second.start(), timeout=120)
+    try:
+        assert second.health() == {e: EngineHealth.HEALTHY for e in ("engine-0", "engine-1")}
+        refit = run(second.engines[1].backend.prompt_logprobs(prompt), timeout=60)
+
+        async def serve() -> list[Any]:
+            return await asyncio.gather(*(second.generate(request(g, 2, 12)) for g in range(4)))
+
+        results = run(serve(), timeout=120)
+    finally:
+        run(second.close())
+    for engine in ("engine-0", "engine-1"):
+        assert [e for e in recorder.events if e[1] == engine] == [
+            ("joined", engine, None),
+            ("stale", engine),
+            ("refit", engine, 0),
+        ]
+    samples = [r for rs in results for r in rs]
+    assert {r.weight_version for r in samples} == {0}
+    for r in samples:  # generated with the model directory's weights, not r1's
+        assert r.logprobs[0] == pytest.approx(score(start_up, PROMPT, r.token_ids)[0], abs=1e-3)
+        assert r.logprobs[0] != pytest.approx(score(other, PROMPT, r.token_ids)[0], abs=1e-3)
+    figures = {
+        "probe_same_weights_nats": WeightProbe.distance(held, want_other),
+        "probe_after_refit_nats": WeightProbe.distance(refit, want_start),
+        "probe_other_weights_nats": WeightProbe.distance(held, want_start),
+    }
+    with capsys.disabled():
+        print(f"\nweight probe on vLLM-CPU float32: {figures}")
+    assert figures["probe_same_weights_nats"] < probe.tolerance
+    assert figures["probe_after_refit_nats"] < probe.tolerance
+    assert figures["probe_other_weights_nats"] > 100 * probe.tolerance
