@@ -105,6 +105,51 @@ def test_public_api_is_light() -> None:
     assert heavy == []
 
 
+# A module of each mapped folder, imported under the folder's bare name.
+BARE = {
+    "controller": "controller.rollout_controller",
+    "eventstore": "eventstore.store",
+    "migrations": "migrations",
+}
+
+
+@pytest.mark.parametrize("folder", sorted(BARE))
+def test_a_bare_import_of_a_mapped_folder_fails_naming_the_package(folder: str) -> None:
+    """From the repository root (first on sys.path), ``import controller...`` would load a
+    second copy of the package, whose errors an ``except`` of rolloutlog's never matches:
+    it fails instead, naming the ``rolloutlog.`` path."""
+    proc = _run(
+        [sys.executable, "-c", f"import {BARE[folder]}"],
+        cwd=REPO,
+        env=dict(os.environ),
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"ImportError: import rolloutlog.{folder}, not {folder}: this folder is installed as "
+        f"the package rolloutlog.{folder}, and a bare `{folder}` import would load a second "
+        "copy of it"
+    )
+
+
+def test_the_mapped_packages_import_once_from_the_repository_root() -> None:
+    """The same modules as ``rolloutlog.*`` work there, and no bare copy is loaded."""
+    code = (
+        "import sys, json\n"
+        "import rolloutlog.controller.rollout_controller as rc\n"
+        "import rolloutlog.eventstore.store, rolloutlog.migrations\n"
+        "from rolloutlog.controller.domain.errors import RestoreError\n"
+        "print(json.dumps([rc.__name__, RestoreError.__module__,\n"
+        f"    sorted(m for m in sys.modules if m.split('.')[0] in {sorted(BARE)!r})]))\n"
+    )
+    proc = _run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    name, error_module, bare = json.loads(proc.stdout)
+    assert name == "rolloutlog.controller.rollout_controller"
+    assert error_module.startswith("rolloutlog.controller.domain.")
+    assert bare == []
+
+
 def _user_project(root: Path) -> dict[str, str]:
     """A project with its own migrations/, controller/, eventstore/ that must not be touched."""
     for name in ("migrations", "controller", "eventstore"):
