@@ -32,7 +32,7 @@ from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any, Literal
 
-from rolloutlog.eventstore import EventStore
+from rolloutlog.eventstore import EventStoreProtocol
 
 from ..config import TelemetryConfig
 from ..domain.decider import evolve
@@ -1331,7 +1331,7 @@ class RangeReport:
 
 
 def project_history(
-    store: EventStore,
+    store: EventStoreProtocol,
     run_id: str,
     *,
     from_seq: int | None = None,
