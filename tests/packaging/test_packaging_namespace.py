@@ -150,6 +150,23 @@ def test_the_mapped_packages_import_once_from_the_repository_root() -> None:
     assert bare == []
 
 
+@pytest.mark.parametrize("where", ["tests/probe.py", "rolloutlog/probe.py", "examples/probe.py"])
+def test_ruff_bans_bare_imports_of_the_mapped_folders(where: str) -> None:
+    """Ruff's TID251 (banned-api in pyproject.toml) flags each bare import in our code."""
+    ruff = Path(sys.executable).parent / "ruff"
+    if not ruff.is_file():
+        pytest.skip("ruff is not installed beside this interpreter (the dev extra)")
+    source = "".join(f"import {module}\n" for module in BARE.values())
+    proc = subprocess.run(
+        [str(ruff), "check", "--no-cache", "--select", "TID251", "--output-format", "json",
+         "--stdin-filename", where, "-"],
+        input=source, cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    found = json.loads(proc.stdout)
+    assert sorted(f["message"].split("`")[1] for f in found) == sorted(BARE), proc.stderr
+    assert {f["code"] for f in found} == {"TID251"}
+
+
 def _user_project(root: Path) -> dict[str, str]:
     """A project with its own migrations/, controller/, eventstore/ that must not be touched."""
     for name in ("migrations", "controller", "eventstore"):
