@@ -1,5 +1,5 @@
 # The two set-up commands of the README. Each one installs what it needs into .venv.
-.PHONY: demo test lint setup
+.PHONY: demo test lint typecheck setup
 
 setup:
 	scripts/setup.sh
@@ -14,3 +14,8 @@ test:
 
 lint:
 	.venv/bin/ruff check . && .venv/bin/ruff format --check .
+
+# mypy over the installed packages (rolloutlog.eventstore, rolloutlog.controller), found
+# through the strict editable install's link tree that scripts/setup.sh makes.
+typecheck:
+	.venv/bin/mypy

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from rolloutlog.eventstore import EventStore
+from rolloutlog.eventstore import EventStoreProtocol
 
 from .domain.events import (
     GroupAdmitted,
@@ -126,7 +126,7 @@ class PromptLedger:
         return sorted(p for p, n in self.trained_keys.items() if n > 1)
 
 
-def build_ledger(store: EventStore, run_id: str, to_seq: int | None = None) -> PromptLedger:
+def build_ledger(store: EventStoreProtocol, run_id: str, to_seq: int | None = None) -> PromptLedger:
     """Fold the run's history (abandoned ranges excluded) into a ledger."""
     ledger = PromptLedger()
     for _row, event in iter_history(store, run_id, to_seq):

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from rolloutlog.eventstore import EventStore
+from rolloutlog.eventstore import EventStoreProtocol
 
 from .domain import commands, decide, evolve, find_violations
 from .domain.errors import DomainError
@@ -157,7 +157,7 @@ def state_summary(state: RunState) -> dict[str, Any]:
     }
 
 
-def state_at(store: EventStore, run_id: str, offset: int | None) -> RunState:
+def state_at(store: EventStoreProtocol, run_id: str, offset: int | None) -> RunState:
     """The state at ``offset`` of the history (default: its end), from snapshot + tail."""
     return replay(store, run_id, offset).state
 
@@ -206,7 +206,11 @@ def diff_states(a: RunState, b: RunState) -> dict[str, Any]:
 
 
 def explain(
-    store: EventStore, run_id: str, *, group_id: int | None = None, prompt: int | None = None
+    store: EventStoreProtocol,
+    run_id: str,
+    *,
+    group_id: int | None = None,
+    prompt: int | None = None,
 ) -> list[dict[str, Any]]:
     """Every stored event about a group (or a prompt and its groups), oldest first.
 
@@ -271,7 +275,7 @@ class CheckResult:
     violation: dict[str, Any] | None
 
 
-def check_history(store: EventStore, run_id: str, to_seq: int | None = None) -> CheckResult:
+def check_history(store: EventStoreProtocol, run_id: str, to_seq: int | None = None) -> CheckResult:
     """Replay from the start, checking every invariant after every decision, and at
     every checkpoint marker the recorded cursors that a restore to it would check."""
     state = RunState()
@@ -301,7 +305,7 @@ def check_history(store: EventStore, run_id: str, to_seq: int | None = None) -> 
 
 
 def _violation(
-    store: EventStore, run_id: str, row: IndexedEvent, event: RolloutEvent, exc: DomainError
+    store: EventStoreProtocol, run_id: str, row: IndexedEvent, event: RolloutEvent, exc: DomainError
 ) -> dict[str, Any]:
     groups = tuple(getattr(exc, "groups", ()) or ())
     if not groups and row.group_id is not None:
@@ -369,7 +373,9 @@ class VerifyResult:
     mismatch: dict[str, Any] | None
 
 
-def verify_decisions(store: EventStore, run_id: str, to_seq: int | None = None) -> VerifyResult:
+def verify_decisions(
+    store: EventStoreProtocol, run_id: str, to_seq: int | None = None
+) -> VerifyResult:
     """Re-run ``decide`` for every recorded decision and compare with the log."""
     state = RunState()
     verified = skipped = 0

@@ -23,7 +23,7 @@ from typing import Literal
 
 from rolloutlog.eventstore import (
     Committer,
-    EventStore,
+    EventStoreProtocol,
     GroupCommitClosedError,
     PayloadNotFoundError,
     PayloadPut,
@@ -111,7 +111,7 @@ class ReplayResult:
 
 
 def iter_history(
-    store: EventStore, run_id: str, to_seq: int | None = None, *, from_seq: int = 1
+    store: EventStoreProtocol, run_id: str, to_seq: int | None = None, *, from_seq: int = 1
 ) -> Iterator[tuple[IndexedEvent, RolloutEvent]]:
     """Decoded events of the run's history (skipping ranges a restore abandoned), each
     row with its rollout index keys."""
@@ -120,7 +120,7 @@ def iter_history(
 
 
 def replay(
-    store: EventStore,
+    store: EventStoreProtocol,
     run_id: str,
     to_seq: int | None = None,
     *,
@@ -169,7 +169,7 @@ def check_ranges(upto: int, parts: int) -> list[tuple[int, int]]:
 
 
 def _replay(
-    store: EventStore,
+    store: EventStoreProtocol,
     run_id: str,
     to_seq: int | None,
     use_snapshots: bool,
@@ -221,7 +221,7 @@ class RolloutController:
 
     def __init__(
         self,
-        store: EventStore,
+        store: EventStoreProtocol,
         state: RunState,
         *,
         run_id: str,
@@ -277,7 +277,7 @@ class RolloutController:
     @classmethod
     def start(
         cls,
-        store: EventStore,
+        store: EventStoreProtocol,
         run_id: str,
         rollout: RolloutConfig,
         *,
@@ -332,7 +332,7 @@ class RolloutController:
     @classmethod
     def open(
         cls,
-        store: EventStore,
+        store: EventStoreProtocol,
         run_id: str,
         *,
         store_config: StoreConfig | None = None,
@@ -385,7 +385,7 @@ class RolloutController:
     @classmethod
     def restore(
         cls,
-        store: EventStore,
+        store: EventStoreProtocol,
         run_id: str,
         offset: int | None,
         *,
@@ -728,7 +728,9 @@ def _check_fingerprint(
         )
 
 
-def _checkpoint_marker(store: EventStore, run_id: str, offset: int) -> CheckpointMarked | None:
+def _checkpoint_marker(
+    store: EventStoreProtocol, run_id: str, offset: int
+) -> CheckpointMarked | None:
     rows = list(store.read(run_id, offset, offset))
     if not rows or rows[0].type != CheckpointMarked.event_type:
         return None
@@ -772,7 +774,7 @@ def _check_cursors(state: RunState, marker: CheckpointMarked, offset: int) -> No
         raise violations[0]
 
 
-def _descendant_rows(store: EventStore, run_id: str, offset: int) -> Iterator[StoredEvent]:
+def _descendant_rows(store: EventStoreProtocol, run_id: str, offset: int) -> Iterator[StoredEvent]:
     """Rows recorded after ``offset`` by every branch that continues from it.
 
     A row continues from ``offset`` when ``offset`` lies on the history that led to the
@@ -795,7 +797,9 @@ def _descendant_rows(store: EventStore, run_id: str, offset: int) -> Iterator[St
             yield row
 
 
-def _salvageable(store: EventStore, run_id: str, offset: int) -> tuple[tuple[int, Completion], ...]:
+def _salvageable(
+    store: EventStoreProtocol, run_id: str, offset: int
+) -> tuple[tuple[int, Completion], ...]:
     """Completions recorded after ``offset`` by histories that continue from it, each
     with the offset of the ``SiblingCompleted`` that recorded it."""
     out = []

@@ -62,7 +62,8 @@ if TYPE_CHECKING:
     from rolloutlog.eventstore import EventStoreProtocol
 
 #: The controller's tables (alembic compares them with its revisions, like the store's).
-metadata = MetaData(naming_convention=dict(store_metadata.naming_convention))
+# (SQLAlchemy's stubs type the convention as a TypedDict-or-Mapping union dict() refuses.)
+metadata = MetaData(naming_convention=dict(store_metadata.naming_convention))  # type: ignore[arg-type]
 
 TABLE = "rollout_index"
 rollout_index = Table(
@@ -493,7 +494,7 @@ def _sql_read_where(store: EventStore, run_id: str, equals: dict[str, Any]) -> l
             types = conn.execute(_RUN_TYPES, {"run_id": run_id}).scalars().all()
             q = q.where(ix.c.type.in_(types))
         rows = conn.execute(q).all()
-    return [IndexedEvent(*r[:6], _utc(r[6]), *r[7:]) for r in rows]
+    return [IndexedEvent._make((*r[:6], _utc(r[6]), *r[7:])) for r in rows]
 
 
 #: A sibling event's step mark: the first mark at or after it (one primary-key seek).
@@ -570,7 +571,7 @@ def _sql_sibling_where(
     with store.engine.connect() as conn:
         typed = sa.text(sql).columns(recorded_at=events_table.c.recorded_at.type)
         rows = conn.execute(typed, {"run_id": run_id, **params}).all()
-    return [IndexedEvent(*r[:6], _utc(r[6]), r[7], r[8], r[9], None, None) for r in rows]
+    return [IndexedEvent._make((*r[:6], _utc(r[6]), r[7], r[8], r[9], None, None)) for r in rows]
 
 
 def _utc(value: datetime) -> datetime:

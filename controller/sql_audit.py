@@ -844,7 +844,8 @@ class SqlAudit:
                     # server accepts exactly one statement; without parameters psycopg
                     # would use the simple protocol, which runs a whole script.
                     text = _to_pyformat(statement) if bound else statement
-                    cur.execute(text, bound or None, prepare=True if user else None)
+                    # psycopg's cursor here; SQLAlchemy types the raw cursor as a DBAPI one.
+                    cur.execute(text, bound or None, prepare=True if user else None)  # type: ignore[call-arg]
                 if cur.description is None:
                     raise QueryRefusedError("the statement returned no rows: not a query")
                 columns = [d[0] for d in cur.description]

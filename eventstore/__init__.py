@@ -45,6 +45,17 @@ if TYPE_CHECKING:
     from .protocol import EventStoreProtocol
     from .records import NewEvent, PayloadPut, RunInfo, Snapshot, StoredEvent
     from .store import EventStore, normalise_url
+
+# This folder is the package rolloutlog.eventstore (pyproject's package-dir). Imported as a bare
+# `eventstore` (the repository root on sys.path, an IDE's auto-import) it would be a second copy
+# of every module, whose classes and errors are not rolloutlog's: refuse it.
+if __name__ == "eventstore":
+    raise ImportError(
+        "import rolloutlog.eventstore, not eventstore: this folder is installed as the package "
+        "rolloutlog.eventstore, and a bare `eventstore` import would load a second copy of it",
+        name=__name__,
+    )
+
 # Public name -> the module of this package that defines it.
 _PUBLIC: dict[str, str] = {
     "EventCodec": "codec",

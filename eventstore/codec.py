@@ -28,7 +28,7 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, PlainSerializer, ValidationError, WrapSerializer
 
 from .errors import CorruptEventError, NewerSchemaVersionError, UnknownEventTypeError
-from .records import NewEvent, StoredEvent
+from .records import EventRow, NewEvent
 
 
 class EventModel(BaseModel):
@@ -208,7 +208,7 @@ class EventCodec:
             out.append(new(NewEvent, (writer[0], writer[1], payload, stamp, key)))
         return out
 
-    def decode(self, row: StoredEvent) -> EventModel:
+    def decode(self, row: EventRow) -> EventModel:
         """Turn a stored row back into its typed event, upcasting older schema versions.
 
         Raises :class:`UnknownEventTypeError`, :class:`NewerSchemaVersionError` or
@@ -227,7 +227,7 @@ class EventCodec:
                 raise _too_deep(row) from exc
         return self._decode_checked(row)
 
-    def _decode_checked(self, row: StoredEvent) -> EventModel:
+    def _decode_checked(self, row: EventRow) -> EventModel:
         """:meth:`decode` of a row the hot path does not take: an unknown type, a newer
         or an older schema version (upcast here), each error naming the offset."""
         cls = self._types.get(row.type)
@@ -267,13 +267,13 @@ class EventCodec:
             raise _too_deep(row) from exc
 
 
-def _invalid(row: StoredEvent, exc: ValidationError) -> CorruptEventError:
+def _invalid(row: EventRow, exc: ValidationError) -> CorruptEventError:
     """The error for a payload pydantic rejects: its first complaint, at the offset."""
     first = exc.errors()[0]
     where = ".".join(str(p) for p in first.get("loc", ())) or "payload"
     return CorruptEventError(row.seq, row.type, f"{where}: {first['msg']}")
 
 
-def _too_deep(row: StoredEvent) -> CorruptEventError:
+def _too_deep(row: EventRow) -> CorruptEventError:
     """The error for a payload nested past the parser's recursion limit."""
     return CorruptEventError(row.seq, row.type, "payload nests too deeply to decode (invalid JSON)")

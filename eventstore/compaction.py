@@ -419,15 +419,15 @@ def _write_archive(store: EventStore, plan: CompactionPlan, path: Path) -> None:
                         payloads.c.run_id == run_id, payloads.c.payload_id.in_(chunk)
                     )
                 ).all()
-                for r in rows:
+                for pr in rows:
                     out.write(
                         json.dumps(
                             {
                                 "kind": "payload",
                                 "run_id": run_id,
-                                "payload_id": r.payload_id,
-                                "payload_kind": r.kind,
-                                "data": _b64(bytes(r.data)),
+                                "payload_id": pr.payload_id,
+                                "payload_kind": pr.kind,
+                                "data": _b64(bytes(pr.data)),
                             }
                         )
                         + "\n"

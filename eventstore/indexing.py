@@ -30,10 +30,18 @@ _IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 class Indexer(Protocol):
     """Turns appended events into rows of one derived table (see the module docstring)."""
 
-    #: The derived table's name (lower-case SQL identifier, not one of the store's tables).
-    table: str
-    #: Its columns, in the order of the tuples :meth:`rows` returns; ``("run_id", "seq", ...)``.
-    columns: tuple[str, ...]
+    # Read-only members, so a class attribute of a narrower type (a fixed-length tuple)
+    # satisfies them.
+    @property
+    def table(self) -> str:
+        """The derived table's name (lower-case SQL identifier, not one of the store's)."""
+        ...
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """Its columns, in the order of the tuples :meth:`rows` returns; ``("run_id", "seq",
+        ...)``."""
+        ...
 
     def rows(self, run_id: str, first_seq: int, batch: Sequence[NewEvent]) -> list[tuple[Any, ...]]:
         """The derived rows of ``batch``, whose events get sequences ``first_seq ..``.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 
 class NewEvent(NamedTuple):
@@ -26,6 +26,20 @@ class NewEvent(NamedTuple):
     payload: str
     recorded_at: datetime
     derived: tuple[Any, ...] | None = None
+
+
+class EventRow(Protocol):
+    """What :meth:`EventCodec.decode` reads of a row: a :class:`StoredEvent`, or any row
+    with its fields (an application's row joined with its derived keys)."""
+
+    @property
+    def seq(self) -> int: ...
+    @property
+    def type(self) -> str: ...
+    @property
+    def schema_version(self) -> int: ...
+    @property
+    def payload(self) -> str: ...
 
 
 class StoredEvent(NamedTuple):

@@ -123,7 +123,9 @@ class SqliteWriter:
                     None,
                     exc,
                     sqlite3.Error,
-                    connection_invalidated=dialect.is_disconnect(exc, db, None),
+                    # sqlite3's own error and connection: SQLAlchemy's stubs type them
+                    # as its DBAPI protocols, which the stdlib classes do not declare.
+                    connection_invalidated=dialect.is_disconnect(exc, db, None),  # type: ignore[arg-type]
                     dialect=dialect,
                 ) from exc
 

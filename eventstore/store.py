@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 from itertools import chain
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import sqlalchemy as sa
 from sqlalchemy import event as sa_event
@@ -423,7 +423,8 @@ class EventStore:
                 ).first()
                 if row is None:
                     raise RunNotFoundError(f"no run {run_id!r}")
-                current, last = row.current_epoch, row.last_seq
+                current: int = row.current_epoch
+                last: int = row.last_seq
                 if expected_epoch is not None and current != expected_epoch:
                     raise EpochFencedError(run_id, expected_epoch, current)
                 resume = last if resume_seq is None else resume_seq
@@ -651,7 +652,7 @@ class EventStore:
         for indexer, _ in self._indexers:
             table = self._derived_types.get(indexer.table)
             if table is None or table.columns != tuple(indexer.columns):
-                found = dict(
+                found: dict[str, str] = dict(
                     conn.exec_driver_sql(
                         "SELECT a.attname, format_type(a.atttypid, a.atttypmod) "
                         "FROM pg_attribute a WHERE a.attrelid = to_regclass(%s) "
@@ -1069,7 +1070,8 @@ class EventStore:
         """
         result = conn.exec_driver_sql(sql, params)
         try:
-            return result.cursor.fetchall()  # type: ignore[no-any-return]
+            # The DBAPI cursor's rows: a list of tuples on both drivers (stubs: a Sequence).
+            return result.cursor.fetchall()  # type: ignore[return-value]
         except self._dbapi_error as exc:
             raise sa.exc.DBAPIError.instance(
                 sql, params, exc, self._dbapi_error, dialect=self.engine.dialect
@@ -1223,7 +1225,9 @@ class _ErrorTranslator:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> bool:
+    def __exit__(
+        self, exc_type: type | None, exc: BaseException | None, tb: object
+    ) -> Literal[False]:
         if exc is None or isinstance(exc, StoreError):
             return False
         if self.keep_integrity and isinstance(exc, IntegrityError):

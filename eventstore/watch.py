@@ -84,6 +84,9 @@ def _listen(store: EventStore) -> Any:
     import psycopg
 
     url = store.url
+    # The URL's own query options (sslmode, ...) as libpq keywords, after rolloutlog's name.
+    options: dict[str, Any] = {"application_name": "rolloutlog append watcher"}
+    options.update(pg_connect_url(url).query)
     conn = psycopg.connect(
         host=url.host,
         port=url.port,
@@ -92,7 +95,7 @@ def _listen(store: EventStore) -> Any:
         dbname=url.database,
         autocommit=True,
         connect_timeout=10,
-        **{"application_name": "rolloutlog append watcher", **dict(pg_connect_url(url).query)},
+        **options,
     )
     conn.execute(f"LISTEN {CHANNEL}")
     return conn

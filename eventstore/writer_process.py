@@ -826,7 +826,8 @@ class _Child:
             return True
         if len(self.buf) < _HEADER.size:
             return False
-        return len(self.buf) >= _HEADER.size + _HEADER.unpack_from(self.buf)[0]
+        length: int = _HEADER.unpack_from(self.buf)[0]
+        return len(self.buf) >= _HEADER.size + length
 
     def due(self, next_seq: int, window_s: float) -> bool:
         """Whether the waiting commands commit now rather than wait for more."""

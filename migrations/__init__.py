@@ -10,6 +10,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# This folder is the package rolloutlog.migrations (pyproject's package-dir). Imported as a bare
+# `migrations` (the repository root on sys.path, an IDE's auto-import) it would be a second copy
+# of every module, whose classes and errors are not rolloutlog's: refuse it.
+if __name__ == "migrations":
+    raise ImportError(
+        "import rolloutlog.migrations, not migrations: this folder is installed as the package "
+        "rolloutlog.migrations, and a bare `migrations` import would load a second copy of it",
+        name=__name__,
+    )
+
 
 def version_locations(script_dir: Path) -> list[Path]:
     """The folders holding the revisions of the environment at ``script_dir``."""

@@ -20,6 +20,7 @@ The packages (docs/architecture.md has the picture):
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -27,6 +28,12 @@ if TYPE_CHECKING:
     from rolloutlog.controller.rollout_controller import RolloutController
     from rolloutlog.controller.rollout_runtime import RolloutRuntime
     from rolloutlog.eventstore import EventStore
+
+# Run from a checkout (its root first on sys.path, as `python -m pytest` there puts it), this
+# folder shadows the installed package, whose controller/, eventstore/ and migrations/ are
+# mapped from sibling folders: a strict editable install (scripts/setup.sh) has them in its
+# link tree, so look for the package's modules in every `rolloutlog` folder on sys.path.
+__path__ = pkgutil.extend_path(__path__, __name__)
 
 # Public name -> the module that defines it.
 _PUBLIC: dict[str, str] = {

@@ -144,7 +144,10 @@ class SiblingResult:
 class GenerationBackend(Protocol):
     """What the rollout pump needs from a generation engine."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """The backend's kind (``make_backend``'s ``kind``); a class attribute satisfies it."""
+        ...
 
     @property
     def vocab_size(self) -> int:

@@ -98,7 +98,8 @@ class TorchBackend(BackendBase):
         else:
             # The generic loader: any local causal LM directory (weights + tokenizer).
             model, tokenizer = load_causal_lm(policy, dtype=dtype)
-        self._model: PreTrainedModel = model.to(self.device).eval().requires_grad_(False)
+        # transformers' stubs type `to` through a decorator that loses its arguments.
+        self._model: PreTrainedModel = model.to(self.device).eval().requires_grad_(False)  # type: ignore[arg-type]
         self.tokenizer = tokenizer
         limit = int(self._model.config.max_position_embeddings)
         self.max_model_len = limit if max_model_len is None else int(max_model_len)

@@ -374,7 +374,7 @@ class VLLMServerBackend(BackendBase):
             resp = await client.get("/health", timeout=timeout or self.health_timeout)
         except (httpx.TransportError, httpx.TimeoutException):
             return False
-        return resp.status_code == 200
+        return bool(resp.status_code == 200)
 
     async def close(self) -> None:
         """Abort what is in flight, close the HTTP client, remove our weight copies."""

@@ -36,7 +36,7 @@ def _c_untrack() -> Callable[[object], None] | None:
     fn = ctypes.pythonapi.PyObject_GC_UnTrack
     fn.argtypes = [ctypes.py_object]
     fn.restype = None
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 _UNTRACK = _c_untrack()

@@ -62,7 +62,8 @@ def render_families(name: str, parts: Sequence[tuple[Family, dict[str, str]]]) -
                     sum_value=sample.value.total,
                 )
             else:
-                metric.add_metric(values, float(sample.value))  # type: ignore[union-attr]
+                assert not isinstance(metric, HistogramMetricFamily)
+                metric.add_metric(values, float(sample.value))
     return metric
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rolloutlog.eventstore import EventStore, StoreError
+from rolloutlog.eventstore import EventStoreProtocol, StoreError
 from rolloutlog.eventstore.groupcommit import COMMIT_HISTORY
 from rolloutlog.eventstore.watch import AppendWatcher
 
@@ -169,7 +169,7 @@ class ProjectionFollower:
         self._started = False
         self.recomputes += 1
 
-    def _start(self, store: EventStore, run_id: str) -> None:
+    def _start(self, store: EventStoreProtocol, run_id: str) -> None:
         """Before the first event: start from the run's metrics base if it was
         compacted (the events before it are gone); hold :attr:`lock`."""
         self._started = True
@@ -181,14 +181,14 @@ class ProjectionFollower:
         self.projection, self.work = projection, work
 
     @staticmethod
-    def _restart(store: EventStore, run_id: str) -> MetricsProjection:
+    def _restart(store: EventStoreProtocol, run_id: str) -> MetricsProjection:
         """A projection at the start of the run's history: empty, or the metrics base of
         a compacted run (its work totals are not used: work is never rolled back)."""
         base = load_metrics_base(store, run_id)
         return MetricsProjection() if base is None else base.start()[0]
 
     @staticmethod
-    def _domain_state_at(store: EventStore, run_id: str, offset: int) -> RunState | None:
+    def _domain_state_at(store: EventStoreProtocol, run_id: str, offset: int) -> RunState | None:
         """The domain state of the history leading to ``offset``, rebuilt by the domain's
         replay; None (logged) when it cannot be."""
         from ..rollout_controller import replay
@@ -200,7 +200,7 @@ class ProjectionFollower:
             return None
         return state if state.last_seq == offset else None
 
-    def _switch_branch(self, store: EventStore, run_id: str, seq: int) -> None:
+    def _switch_branch(self, store: EventStoreProtocol, run_id: str, seq: int) -> None:
         """Make the projection the history that leads to the event at ``seq`` (the first
         event of a new epoch), minus that event (hold :attr:`lock`).
 
@@ -238,7 +238,7 @@ class ProjectionFollower:
         base.work = self.work
         self.projection = base
 
-    def sync(self, store: EventStore, run_id: str, to_seq: int | None = None) -> int:
+    def sync(self, store: EventStoreProtocol, run_id: str, to_seq: int | None = None) -> int:
         """Fold every stored event of the run beyond the projection (up to ``to_seq``),
         in offset order, all epochs: each counts once in :attr:`work`, and at each new
         epoch the projection switches to that epoch's history first (a rollback when a
@@ -262,7 +262,7 @@ class ProjectionFollower:
         folded += self._fold(store, run_id, chunk)
         return folded
 
-    def _fold(self, store: EventStore, run_id: str, chunk: list[tuple[Any, Any]]) -> int:
+    def _fold(self, store: EventStoreProtocol, run_id: str, chunk: list[tuple[Any, Any]]) -> int:
         with self.lock:
             for row, event in chunk:
                 if row.seq <= self.projection.offset:
@@ -576,7 +576,7 @@ class _LogFollower:
     (LISTEN, see :class:`AppendWatcher`), at the latest every ``interval`` seconds; on
     SQLite it polls every ``interval``. Read errors are counted and logged, never fatal."""
 
-    store: EventStore
+    store: EventStoreProtocol
     interval: float
     errors: int
     last_error: str | None
@@ -627,7 +627,12 @@ class LogTailer(_LogFollower):
     """
 
     def __init__(
-        self, store: EventStore, run_id: str, *, interval: float = 2.0, keep_checkpoints: int = 8
+        self,
+        store: EventStoreProtocol,
+        run_id: str,
+        *,
+        interval: float = 2.0,
+        keep_checkpoints: int = 8,
     ) -> None:
         if interval <= 0:
             raise ValueError("interval must be > 0 seconds")
@@ -661,7 +666,7 @@ class RunsTailer(_LogFollower):
 
     def __init__(
         self,
-        store: EventStore,
+        store: EventStoreProtocol,
         run_ids: Sequence[str] = (),
         *,
         interval: float = 2.0,

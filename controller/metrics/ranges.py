@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rolloutlog.eventstore import EventStore
+from rolloutlog.eventstore import EventStoreProtocol
 
 from .exposition import Family
 from .fold import MetricsProjection, WorkTotals
@@ -40,7 +40,7 @@ class RangeReport:
 
 
 def project_history(
-    store: EventStore,
+    store: EventStoreProtocol,
     run_id: str,
     *,
     from_seq: int | None = None,

@@ -21,7 +21,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from rolloutlog.eventstore import EventStore
+from rolloutlog.eventstore import EventStoreProtocol
 
 from ..domain.events import CODEC, GroupSelected, RunRestored, RunResumed, SiblingCompleted
 from .ranges import project_history
@@ -62,7 +62,7 @@ class ReportData:
     tokens_by_second: list[tuple[float, int]] = field(default_factory=list)  # work done
 
 
-def collect(store: EventStore, run_id: str) -> ReportData:
+def collect(store: EventStoreProtocol, run_id: str) -> ReportData:
     """Read what the report shows from the log of ``run_id``."""
     values = project_history(store, run_id).values()
     history = store.history_segments(run_id)
@@ -257,7 +257,7 @@ def _figures(data: ReportData) -> list[tuple[str, str, Any]]:
 
     header = ["epoch", "from offset", "mode", "complete groups", "unfinished groups",
               "siblings reused", "salvaged", "re-run", "log time rolled back (s)"]  # fmt: skip
-    rows = [
+    restore_rows = [
         [
             r["epoch"],
             r["from_offset"],
@@ -274,7 +274,7 @@ def _figures(data: ReportData) -> list[tuple[str, str, Any]]:
     table = go.Figure(
         go.Table(
             header={"values": header},
-            cells={"values": [list(col) for col in zip(*rows, strict=True)]},
+            cells={"values": [list(col) for col in zip(*restore_rows, strict=True)]},
         )
     )
     figs.append(("restores", "What each restore reused, salvaged and re-ran", table))
@@ -358,7 +358,7 @@ def render_html(data: ReportData) -> str:
     return "\n".join(parts)
 
 
-def write_report(store: EventStore, run_id: str, out: Path) -> int:
+def write_report(store: EventStoreProtocol, run_id: str, out: Path) -> int:
     """Write the report of ``run_id`` to ``out``; returns the number of charts."""
     data = collect(store, run_id)
     page = render_html(data)

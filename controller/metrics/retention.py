@@ -33,7 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rolloutlog.eventstore import EventStore, PayloadNotFoundError, Snapshot, StoreError
+from rolloutlog.eventstore import (
+    EventStore,
+    EventStoreProtocol,
+    PayloadNotFoundError,
+    Snapshot,
+    StoreError,
+)
 from rolloutlog.eventstore.compaction import (
     CompactedHistoryError,
     CompactionError,
@@ -89,13 +95,13 @@ def encode_metrics_base(projection: MetricsProjection, work: WorkTotals) -> byte
 
 def decode_metrics_base(data: bytes) -> dict[str, Any]:
     """The JSON body of a metrics base payload (ValueError for an unknown format)."""
-    body = json.loads(zlib.decompress(data))
+    body: dict[str, Any] = json.loads(zlib.decompress(data))
     if body.get("format") != METRICS_BASE_FORMAT:
         raise ValueError(f"unknown metrics base format {body.get('format')!r}")
     return body
 
 
-def save_metrics_base(store: EventStore, run_id: str, seq: int) -> MetricsBase:
+def save_metrics_base(store: EventStoreProtocol, run_id: str, seq: int) -> MetricsBase:
     """Fold the run's metrics up to offset ``seq`` (the history leading to it, and the
     work of every stored event up to it) and store them as the metrics base at ``seq``.
 
@@ -119,7 +125,7 @@ def save_metrics_base(store: EventStore, run_id: str, seq: int) -> MetricsBase:
     return MetricsBase(seq, proj.copy(), work.copy())
 
 
-def load_metrics_base(store: EventStore, run_id: str) -> MetricsBase | None:
+def load_metrics_base(store: EventStoreProtocol, run_id: str) -> MetricsBase | None:
     """Where the metrics of ``run_id`` start: None for a run never compacted (start
     from the first event), else the metrics base at its compaction's base snapshot (or,
     without one, the fallback described in the module docstring).

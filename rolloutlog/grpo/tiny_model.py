@@ -136,7 +136,7 @@ def _is_complete(out_dir: Path, spec: TinyModelSpec) -> bool:
     if not all((out_dir / name).is_file() for name in _REQUIRED_FILES):
         return False
     try:
-        return json.loads((out_dir / SPEC_MARKER).read_text()) == asdict(spec)
+        return bool(json.loads((out_dir / SPEC_MARKER).read_text()) == asdict(spec))
     except (OSError, ValueError):
         return False
 
@@ -163,7 +163,8 @@ def build_tiny_model(out_dir: Path, spec: TinyModelSpec = TinyModelSpec()) -> Pa
         config = spec.llama_config(tokenizer)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec.seed)
-            model = LlamaForCausalLM(config).to(torch.float32)
+            # transformers' stubs type `to` through a decorator that loses its arguments.
+            model = LlamaForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]
         model.generation_config = GenerationConfig(
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,

@@ -105,6 +105,68 @@ def test_public_api_is_light() -> None:
     assert heavy == []
 
 
+# A module of each mapped folder, imported under the folder's bare name.
+BARE = {
+    "controller": "controller.rollout_controller",
+    "eventstore": "eventstore.store",
+    "migrations": "migrations",
+}
+
+
+@pytest.mark.parametrize("folder", sorted(BARE))
+def test_a_bare_import_of_a_mapped_folder_fails_naming_the_package(folder: str) -> None:
+    """From the repository root (first on sys.path), ``import controller...`` would load a
+    second copy of the package, whose errors an ``except`` of rolloutlog's never matches:
+    it fails instead, naming the ``rolloutlog.`` path."""
+    proc = _run(
+        [sys.executable, "-c", f"import {BARE[folder]}"],
+        cwd=REPO,
+        env=dict(os.environ),
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"ImportError: import rolloutlog.{folder}, not {folder}: this folder is installed as "
+        f"the package rolloutlog.{folder}, and a bare `{folder}` import would load a second "
+        "copy of it"
+    )
+
+
+def test_the_mapped_packages_import_once_from_the_repository_root() -> None:
+    """The same modules as ``rolloutlog.*`` work there, and no bare copy is loaded."""
+    code = (
+        "import sys, json\n"
+        "import rolloutlog.controller.rollout_controller as rc\n"
+        "import rolloutlog.eventstore.store, rolloutlog.migrations\n"
+        "from rolloutlog.controller.domain.errors import RestoreError\n"
+        "print(json.dumps([rc.__name__, RestoreError.__module__,\n"
+        f"    sorted(m for m in sys.modules if m.split('.')[0] in {sorted(BARE)!r})]))\n"
+    )
+    proc = _run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    name, error_module, bare = json.loads(proc.stdout)
+    assert name == "rolloutlog.controller.rollout_controller"
+    assert error_module.startswith("rolloutlog.controller.domain.")
+    assert bare == []
+
+
+@pytest.mark.parametrize("where", ["tests/probe.py", "rolloutlog/probe.py", "examples/probe.py"])
+def test_ruff_bans_bare_imports_of_the_mapped_folders(where: str) -> None:
+    """Ruff's TID251 (banned-api in pyproject.toml) flags each bare import in our code."""
+    ruff = Path(sys.executable).parent / "ruff"
+    if not ruff.is_file():
+        pytest.skip("ruff is not installed beside this interpreter (the dev extra)")
+    source = "".join(f"import {module}\n" for module in BARE.values())
+    proc = subprocess.run(
+        [str(ruff), "check", "--no-cache", "--select", "TID251", "--output-format", "json",
+         "--stdin-filename", where, "-"],
+        input=source, cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    found = json.loads(proc.stdout)
+    assert sorted(f["message"].split("`")[1] for f in found) == sorted(BARE), proc.stderr
+    assert {f["code"] for f in found} == {"TID251"}
+
+
 def _user_project(root: Path) -> dict[str, str]:
     """A project with its own migrations/, controller/, eventstore/ that must not be touched."""
     for name in ("migrations", "controller", "eventstore"):
