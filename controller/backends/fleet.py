@@ -582,7 +582,9 @@ class FleetBackend:
                 raise BackendError(
                     f"{engine_id}: refit to weight version {version}: {failed}", retryable=False
                 )
-            if engine.health is EngineHealth.DEAD:  # lost while loading: it rejoins later
+            # Lost while loading (the health probe runs across the awaits above; mypy keeps
+            # the narrowing from before them): it rejoins later.
+            if engine.health is EngineHealth.DEAD:  # type: ignore[comparison-overlap]
                 raise BackendError(f"{engine_id}: lost during its refit", retryable=False)
             engine.health = EngineHealth.HEALTHY
             engine.failed_probes = 0
