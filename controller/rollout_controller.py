@@ -33,6 +33,7 @@ from rolloutlog.eventstore import (
     open_committer,
 )
 from rolloutlog.eventstore.compaction import check_replayable
+from rolloutlog.eventstore.history import skipped_ranges
 
 from .config import RolloutConfig, StoreConfig, fingerprint
 from .domain import CODEC, decide, evolve, find_violations
@@ -134,8 +135,11 @@ def replay(
     checked whole (:meth:`EventStore.check_whole`, a count over the run's primary key:
     O(log size)) while the snapshot is decoded and the tail replayed: in
     ``check_threads`` disjoint ranges, each counted on a thread of its own, in the
-    database and off the GIL (``StoreConfig.log_check_threads``). Their
-    :class:`CorruptLogError` is raised here, after the replay; a replay that fails first
+    database and off the GIL (``StoreConfig.log_check_threads``). The rows of branches
+    that restores abandoned after the snapshot (or without one) are not read either and
+    are counted the same way (a cost proportional to those rows; none on a log without
+    restores). Their :class:`CorruptLogError` is raised here, after the replay; a replay
+    that fails first
     still waits for the checks to end, so no thread outlives the call.
     """
     if check_threads < 1:
@@ -184,12 +188,14 @@ def _replay(
     segments = store.history_segments(run_id, to_seq)
     state: RunState | None = None
     snap_offset: int | None = None
+    counted = 0  # offsets 1..counted are checked whole by a count (the snapshot's prefix)
     if use_snapshots:
         for first, last in reversed(segments):
             snap = store.load_snapshot(run_id, at_or_before=last, check=False)
             if snap is not None and snap.seq >= first:
                 for lo, hi in check_ranges(snap.seq, check_threads):
                     checking.append(pool.submit(store.check_whole, run_id, hi, from_seq=lo))
+                counted = snap.seq
                 try:
                     state = decode_snapshot(snap.data)
                     snap_offset = snap.seq
@@ -197,6 +203,14 @@ def _replay(
                     log.warning("ignoring unreadable snapshot at %s: %s", snap.seq, exc)
                     state = None
                 break
+    # The rows of abandoned branches are never read: checked whole like the snapshot's
+    # prefix (which already counts those below the snapshot), so a row missing there is
+    # reported as it is by the readers of every row (metrics, audit).
+    for lo, hi in skipped_ranges(segments):
+        if hi > counted:
+            checking.append(
+                pool.submit(store.check_whole, run_id, hi, from_seq=max(lo, counted + 1))
+            )
     loaded = time.perf_counter()
     if state is None:
         state = RunState()
@@ -433,7 +447,13 @@ class RolloutController:
         check_invariants(state)
         timings["check"] = time.perf_counter() - t1
         t2 = time.perf_counter()
-        salvage = _salvageable(store, run_id, offset) if mode == "salvage" else ()
+        if mode == "salvage":
+            salvage = _salvageable(store, run_id, offset)  # reads (so checks) every later row
+        else:
+            # The rows after the offset leave the history unread: counted whole, so a
+            # corrupt log is refused in both modes (a count proportional to those rows).
+            store.check_whole(run_id, info.last_seq, from_seq=offset + 1)
+            salvage = ()
         timings["salvage_scan"] = time.perf_counter() - t2
         t3 = time.perf_counter()
         epoch = store.open_epoch(

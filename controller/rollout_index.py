@@ -45,6 +45,7 @@ import sqlalchemy as sa
 from sqlalchemy import BigInteger, Column, Index, MetaData, PrimaryKeyConstraint, String, Table
 
 from rolloutlog.eventstore import EventStore, NewEvent, StoredEvent
+from rolloutlog.eventstore.history import history_ranges
 from rolloutlog.eventstore.schema import events as events_table
 from rolloutlog.eventstore.schema import metadata as store_metadata
 
@@ -352,11 +353,11 @@ def read_indexed(
 def read_history_indexed(
     store: EventStoreProtocol, run_id: str, to_seq: int | None = None, *, from_seq: int = 1
 ) -> Iterator[IndexedEvent]:
-    """The history (see :meth:`EventStore.history_segments`) with index keys, in order."""
-    for first, last in store.history_segments(run_id, to_seq):
-        if last < from_seq:
-            continue
-        yield from read_indexed(store, run_id, max(first, from_seq), last)
+    """The history (see :meth:`EventStore.history_segments`) with index keys, in order;
+    the rows of abandoned branches it passes over are checked whole
+    (:func:`~rolloutlog.eventstore.history.history_ranges`)."""
+    for first, last in history_ranges(store, run_id, to_seq, from_seq=from_seq):
+        yield from read_indexed(store, run_id, first, last)
 
 
 def read_where(

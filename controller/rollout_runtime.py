@@ -191,7 +191,12 @@ class RolloutRuntime:
         self._pump_task: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
         self._closing = False
-        self._payload_cache: dict[str, bytes] = {}
+        #: Completions' payloads by group, then payload id, until their batch is assembled;
+        #: a group that leaves the state untrained (dropped, evicted) is forgotten by the
+        #: pump (:meth:`_forget_gone_groups`), so the cache holds live groups only.
+        self._payload_cache: dict[int, dict[str, bytes]] = {}
+        #: (groups dropped, evicted, trained) when the cache was last pruned.
+        self._gone_mark = (-1, -1, -1)
         self._prompt_cache: dict[int, tuple[int, ...]] = {}
         #: Weight swaps in progress (publish/sync). Dispatch waits meanwhile: the version
         #: stamped on a dispatch would be the outgoing one, and work admitted for the next
@@ -298,6 +303,7 @@ class RolloutRuntime:
             # error would write an abort/dispatch pair per sibling as fast as the loop spins.
             while not self._closing and self._error is None:
                 self._changed.clear()
+                self._forget_gone_groups()
                 self._admit()
                 self._dispatch()
                 await self._changed.wait()
@@ -305,6 +311,20 @@ class RolloutRuntime:
             raise
         except BaseException as exc:
             self._fail(exc)
+
+    def _forget_gone_groups(self) -> None:
+        """Drop the cached payloads of groups that left the state. Groups leave only by
+        being dropped, evicted or trained, so the cache is scanned only when one of those
+        counters moved (not at every turn of the pump)."""
+        state = self.controller.state
+        c = state.counters
+        mark = (c.prompts_dropped, c.groups_evicted, c.groups_trained)
+        if mark == self._gone_mark:
+            return
+        self._gone_mark = mark
+        groups = state.groups
+        for gid in [gid for gid in self._payload_cache if gid not in groups]:
+            del self._payload_cache[gid]
 
     def _admit(self) -> None:
         state = self.controller.state
@@ -432,7 +452,7 @@ class RolloutRuntime:
                 self.stats.fenced_results += 1
                 log.debug("rejected result: %s", exc)
                 continue
-            self._payload_cache[payload_id] = data
+            self._payload_cache.setdefault(res.group_id, {})[payload_id] = data
             self._backend_aborts.pop((res.group_id, res.sibling), None)
             self.stats.completed += 1
 
@@ -575,17 +595,21 @@ class RolloutRuntime:
         """Read the batch's payloads that are not in memory (after a restore, all of them)
         on a worker thread: a thousand database reads must not stop the event loop."""
         state = self.controller.state
+        cache = self._payload_cache
         missing = [
-            sib.payload_id
+            (gid, sib.payload_id)
             for gid in state.batches[train_step]
             for sib in state.groups[gid].siblings
-            if sib.payload_id is not None and sib.payload_id not in self._payload_cache
+            if sib.payload_id is not None and sib.payload_id not in cache.get(gid, ())
         ]
         if not missing:
             return
         store, run_id = self.controller.store, self.controller.run_id
-        found = await asyncio.to_thread(lambda: {p: store.get_payload(run_id, p) for p in missing})
-        self._payload_cache.update(found)
+        found = await asyncio.to_thread(
+            lambda: [(gid, p, store.get_payload(run_id, p)) for gid, p in missing]
+        )
+        for gid, payload_id, data in found:
+            cache.setdefault(gid, {})[payload_id] = data
 
     async def _wait_change(self) -> None:
         # The pump clears the event at the top of its loop; poll briefly as a backstop.
@@ -607,7 +631,7 @@ class RolloutRuntime:
             prompt = self._prompt(group.prompt_index)
             for index, sib in enumerate(group.siblings):
                 assert sib.payload_id is not None and sib.weight_version is not None
-                arrays = decode_arrays(self._payload(sib.payload_id))
+                arrays = decode_arrays(self._payload(gid, sib.payload_id))
                 samples.append(
                     RolloutSample(
                         group_id=gid,
@@ -627,8 +651,11 @@ class RolloutRuntime:
             samples=tuple(samples),
         )
 
-    def _payload(self, payload_id: str) -> bytes:
-        data = self._payload_cache.pop(payload_id, None)
+    def _payload(self, group_id: int, payload_id: str) -> bytes:
+        cached = self._payload_cache.get(group_id)
+        data = None if cached is None else cached.pop(payload_id, None)
+        if cached is not None and not cached:
+            del self._payload_cache[group_id]
         if data is None:
             data = self.controller.store.get_payload(self.controller.run_id, payload_id)
         return data

@@ -9,6 +9,7 @@ audit and salvage) but leave the history.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from itertools import pairwise
 from typing import Protocol
 
 from .errors import StoreError
@@ -56,6 +57,17 @@ def history_segments(
     return segments
 
 
+def skipped_ranges(segments: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Inclusive ``(first, last)`` offset ranges between consecutive history segments:
+    the rows of branches that a restore abandoned, which a reader of the history passes
+    over."""
+    return [
+        (prev_last + 1, first - 1)
+        for (_, prev_last), (first, _) in pairwise(segments)
+        if first > prev_last + 1
+    ]
+
+
 class _Segmented(Protocol):
     def history_segments(self, run_id: str, to_seq: int | None = None) -> list[tuple[int, int]]: ...
 
@@ -63,12 +75,36 @@ class _Segmented(Protocol):
         self, run_id: str, from_seq: int = 1, to_seq: int | None = None
     ) -> Iterator[StoredEvent]: ...
 
+    def check_whole(self, run_id: str, upto: int, *, from_seq: int = 1) -> None: ...
+
+
+def history_ranges(
+    store: _Segmented, run_id: str, to_seq: int | None = None, *, from_seq: int = 1
+) -> Iterator[tuple[int, int]]:
+    """The inclusive offset ranges to read for the history from ``from_seq`` on, in order.
+
+    Before each range, the abandoned rows between it and the previous one (from
+    ``from_seq`` on) are checked whole with ``check_whole``: a read checks only the rows
+    it streams, so without this a row missing from a skipped branch would go unseen by
+    the history's readers while a reader of every row (``metrics``, ``audit``) reports
+    it. The check is a count in the database over the skipped rows' primary key range,
+    so its cost is proportional to the rows the history skips (none without restores).
+    """
+    prev_last: int | None = None
+    for first, last in store.history_segments(run_id, to_seq):
+        skipped_from = prev_last + 1 if prev_last is not None and first > prev_last + 1 else None
+        prev_last = last
+        if last < from_seq:
+            continue
+        if skipped_from is not None and first - 1 >= from_seq:
+            store.check_whole(run_id, first - 1, from_seq=max(skipped_from, from_seq))
+        yield max(first, from_seq), last
+
 
 def read_history(
     store: _Segmented, run_id: str, to_seq: int | None = None, *, from_seq: int = 1
 ) -> Iterator[StoredEvent]:
-    """The events of a store's history (its segments) from ``from_seq`` on, in order."""
-    for first, last in store.history_segments(run_id, to_seq):
-        if last < from_seq:
-            continue
-        yield from store.read(run_id, max(first, from_seq), last)
+    """The events of a store's history (its segments) from ``from_seq`` on, in order; the
+    rows of abandoned branches it passes over are checked whole (:func:`history_ranges`)."""
+    for first, last in history_ranges(store, run_id, to_seq, from_seq=from_seq):
+        yield from store.read(run_id, first, last)

@@ -53,7 +53,7 @@ def admission_blocker(state: RunState) -> str | None:
             f"dispatch cursor {state.dispatch_cursor} would pass train step {state.train_step} "
             f"+ lookahead {rules.lookahead}"
         )
-    if state.dataset_cursor >= state.walk_size:
+    if data_exhausted(state):
         return (
             f"the dataset is exhausted ({state.dataset_size} prompts x {state.passes} "
             f"pass(es) pulled)"
@@ -61,11 +61,18 @@ def admission_blocker(state: RunState) -> str | None:
     return None
 
 
+def data_exhausted(state: RunState) -> bool:
+    """Every prompt of the walk is pulled and no spare is left to admit: no step can be
+    admitted any more (spares left at the walk's end fill a last step: decide_admit)."""
+    return state.dataset_cursor >= state.walk_size and not state.spares
+
+
 def decide_admit(state: RunState, _cmd: AdmitStep) -> list[RolloutEvent]:
-    """StepAdmitted, a GroupAdmitted per prompt pulled, then SparePulled to refill the pool."""
+    """StepAdmitted, a GroupAdmitted per prompt pulled, then SparePulled to refill the pool;
+    at the data's end, SpareAssigned for the spares that fill the last step."""
     blocker = admission_blocker(state)
     if blocker is not None:
-        if state.dataset_cursor >= state.walk_size:
+        if data_exhausted(state):
             raise DatasetExhaustedError(blocker)
         if state.failure is not None:
             raise IllegalTransitionError(blocker)
@@ -73,7 +80,10 @@ def decide_admit(state: RunState, _cmd: AdmitStep) -> list[RolloutEvent]:
     rules = state.rules
     step = state.dispatch_cursor
     count = min(rules.groups_per_step, state.walk_size - state.dataset_cursor)
-    events: list[RolloutEvent] = [StepAdmitted(target_step=step, group_count=count)]
+    # The data's last step: the spares still in the pool were pulled from this walk ahead
+    # of it, so they fill what the data cannot (else they would never be trained).
+    fills = state.spares[: rules.groups_per_step - count]
+    events: list[RolloutEvent] = [StepAdmitted(target_step=step, group_count=count + len(fills))]
     gid, prompt = state.next_group_id, state.dataset_cursor
     for _ in range(count):
         pass_, index = state.prompt_key_at(prompt)
@@ -81,8 +91,20 @@ def decide_admit(state: RunState, _cmd: AdmitStep) -> list[RolloutEvent]:
             GroupAdmitted(group_id=gid, prompt_index=index, data_pass=pass_, target_step=step)
         )
         gid, prompt = gid + 1, prompt + 1
+    for spare_id in fills:
+        spare = state.groups[spare_id]
+        events.append(
+            SpareAssigned(
+                group_id=spare_id,
+                prompt_index=spare.prompt_index,
+                data_pass=spare.data_pass,
+                target_step=step,
+            )
+        )
     events.extend(
-        spare_refill(state, next_group_id=gid, next_prompt=prompt, have=len(state.spares))
+        spare_refill(
+            state, next_group_id=gid, next_prompt=prompt, have=len(state.spares) - len(fills)
+        )
     )
     return events
 
@@ -206,8 +228,9 @@ def evolve_spare_assigned(state: RunState, ev: SpareAssigned) -> None:
                 groups=(ev.group_id, ev.repays_group_id),
             )
         loan.repaid_by = ev.group_id
-    else:
+    elif ev.replaces_group_id is not None:
         state.counters.replacements += 1
+    # Neither: a leftover spare filling the data's last step (decide_admit).
 
 
 EVOLVERS = {

@@ -101,7 +101,8 @@ class SparePulled(RolloutEvent):
 
 @CODEC.register
 class SpareAssigned(RolloutEvent):
-    """A spare was stamped and admitted: it replaces a vacated group or repays a loan."""
+    """A spare was stamped and admitted: it replaces a vacated group, repays a loan, or
+    (neither id set) fills the data's last step, which the data alone cannot fill."""
 
     event_type = "SpareAssigned"
     group_id: int

@@ -71,11 +71,11 @@ def _salvage(state: RunState, cmd: Restore) -> list[RolloutEvent]:
         if c.sibling in done:
             continue
         done[c.sibling] = c.weight_version
-        # As before, a salvaged event names no engine: the generating was done in the
-        # abandoned branch, and an engine_id on a SiblingCompleted says which engine
-        # generated it in this history (engine metrics, the engine views). The prompt
-        # count is raised to 1, the least a live completion may report.
-        salvaged = replace(c, prompt_tokens=max(c.prompt_tokens, 1), engine_id=None)
+        # A salvaged event keeps the engine that generated the sample (in the abandoned
+        # branch): engine_id is null only where no engine is known (an in-process
+        # backend, an older log), and the metrics count a salvage as no new work. The
+        # prompt count is raised to 1, the least a live completion may report.
+        salvaged = replace(c, prompt_tokens=max(c.prompt_tokens, 1))
         events.append(SiblingCompleted.of(salvaged, salvaged_from=offset))
     for gid, done in taken.items():
         events.extend(commit_if_complete(state, gid, extra_done=done))

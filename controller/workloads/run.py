@@ -110,10 +110,9 @@ def run_summary(
         "prompts_lost": check.prompts_lost,
         "prompts_dropped": check.prompts_dropped,
         "passes": ledger.passes,
-        "passes_completed": ledger.passes_completed(
-            # Spares left in the pool when the run ended were never needed by a step.
-            {(state.groups[g].data_pass, state.groups[g].prompt_index) for g in state.spares}
-        ),
+        # Only passes whose every prompt has an outcome (trained, dropped, evicted): a
+        # spare pulled and never trained holds its pass open (issue 31).
+        "passes_completed": ledger.passes_completed(),
         "stopped": stopped,
         **workload,
     }

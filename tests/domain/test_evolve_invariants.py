@@ -3,8 +3,6 @@ hand-corrupted states: one test per invariant 1-7 of docs/concepts.md."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 from domain_helpers import PureRun, admit_all, dispatch, fail, finish_group, finish_step, train
 
@@ -246,11 +244,12 @@ def test_restore_salvages_only_valid_completions() -> None:
     assert head.siblings_rerun == 4  # type: ignore[attr-defined]
     assert head.complete_groups_restored == 1  # type: ignore[attr-defined]
     assert [e.salvaged_from for _, e in applied[1:3]] == [101, 103]  # type: ignore[attr-defined]
-    # The salvaged events are the salvaged completions, less the engine (it worked in
-    # the abandoned branch).
+    # The salvaged events are the salvaged completions, the engine that generated them
+    # included (issue 31: only an in-process backend leaves it null).
     assert [e.completion() for _, e in applied[1:3]] == [  # type: ignore[attr-defined]
-        replace(salvage[i][1], engine_id=None) for i in (0, 2)
+        salvage[i][1] for i in (0, 2)
     ]
+    assert [e.engine_id for _, e in applied[1:3]] == ["e-0", "e-0"]  # type: ignore[attr-defined]
     g0 = run.state.groups[0]
     assert g0.phase is Phase.READY and g0.recovered
     assert all(s.salvaged for s in g0.siblings)
