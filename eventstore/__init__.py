@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .codec import EventCodec, EventModel
+    from .committer import Committer
     from .errors import (
         AppendConflictError,
         CorruptEventError,
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
         UnknownEventTypeError,
         WriterProcessError,
     )
-    from .groupcommit import Committer, GroupCommitter, open_committer
+    from .groupcommit import GroupCommitter, open_committer
     from .history import history_segments
     from .indexing import Indexer
     from .memory import MemoryEventStore
@@ -67,7 +68,7 @@ _PUBLIC: dict[str, str] = {
     "StoreUrlError": "errors",
     "UnknownEventTypeError": "errors",
     "WriterProcessError": "errors",
-    "Committer": "groupcommit",
+    "Committer": "committer",
     "GroupCommitter": "groupcommit",
     "open_committer": "groupcommit",
     "history_segments": "history",

@@ -21,10 +21,10 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from rolloutlog.eventstore import EventStore, StoreError
-from rolloutlog.eventstore.groupcommit import COMMIT_HISTORY
+from rolloutlog.eventstore.committer import COMMIT_HISTORY
 from rolloutlog.eventstore.watch import AppendWatcher
 
 from ..domain.events import CODEC, CheckpointMarked, RolloutEvent
@@ -64,20 +64,6 @@ _COMMITTER_TRIM = COMMIT_HISTORY // 2
 _MAX_PENDING = 10_000
 
 Pairs = Sequence[tuple[int, RolloutEvent]]
-
-
-class MetricsSource(Protocol):
-    """Anything the exporter can render: a list of metric families, read on each scrape,
-    and the run they belong to (the ``run_id`` label of every series)."""
-
-    @property
-    def run_id(self) -> str | None:
-        """The run the families describe (None until known)."""
-        ...
-
-    def families(self) -> list[Family]:
-        """The metric families now."""
-        ...
 
 
 class LiveTimings:
@@ -191,7 +177,7 @@ class ProjectionFollower:
     def _domain_state_at(store: EventStore, run_id: str, offset: int) -> RunState | None:
         """The domain state of the history leading to ``offset``, rebuilt by the domain's
         replay; None (logged) when it cannot be."""
-        from ..rollout_controller import replay
+        from ..rollout_history import replay
 
         try:
             state = replay(store, run_id, offset).state

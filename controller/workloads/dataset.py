@@ -173,8 +173,8 @@ class PromptDataset:
         reward: the reward settings.
         tokenizer: the policy's tokenizer.
         tokenizer_fingerprint: a hash of the tokenizer's files (see
-            :func:`rolloutlog.grpo.model_loader.tokenizer_fingerprint`); default: a hash of
-            its vocabulary, special tokens and chat template.
+            :func:`rolloutlog.controller.backends.model_loader.tokenizer_fingerprint`);
+            default: a hash of its vocabulary, special tokens and chat template.
         rows: the rows, when already loaded (default: read ``config.path``).
     """
 

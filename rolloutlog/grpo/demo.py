@@ -249,7 +249,7 @@ def _launch_engines(cfg: RunConfig) -> tuple[RunConfig, Any]:
 
     from rolloutlog.controller.engines.config import LaunchConfig
     from rolloutlog.controller.engines.local import LocalEngineLauncher
-    from rolloutlog.controller.workloads.run import prepare_model_dir
+    from rolloutlog.grpo.workload import prepare_model_dir
 
     model_dir = prepare_model_dir(cfg.model)
     count = cfg.fleet.engines
