@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from rolloutlog.eventstore.errors import RolloutlogError
+
 SamplerKind = Literal["in_order", "windowed", "weight_fifo", "ready_first"]
 DropPolicy = Literal["replace", "shrink", "fail"]
 RecoveryGranularity = Literal["sibling", "group"]
@@ -186,7 +188,7 @@ def fingerprint(data: object) -> str:
     return hashlib.sha256(raw).hexdigest()[:32]
 
 
-class ConfigError(ValueError):
+class ConfigError(RolloutlogError, ValueError):
     """A configuration file or value is invalid; the message names the field."""
 
 

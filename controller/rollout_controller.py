@@ -58,6 +58,7 @@ from .rollout_history import check_ranges as check_ranges
 from .rollout_history import iter_history as iter_history
 from .rollout_index import attach, encode, encode_many
 from .snapshot_encoder import SnapshotEncoder, encode_snapshot
+from .snapshot_encoder import decode_snapshot as decode_snapshot  # re-exported
 
 log = logging.getLogger(__name__)
 

@@ -22,12 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from rolloutlog.eventstore import EventStore
+from rolloutlog.eventstore.errors import RolloutlogError
 
 from ..domain.events import CODEC, GroupSelected, RunRestored, RunResumed, SiblingCompleted
 from .projection import project_history
 
 
-class ReportError(RuntimeError):
+class ReportError(RolloutlogError, RuntimeError):
     """The report cannot be written (plotly missing, an empty run, ...)."""
 
 

@@ -24,6 +24,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rolloutlog.eventstore.errors import RolloutlogError
+
 from .passes import PromptKey, prompt_at
 from .rewards import Reward, RewardConfig, RewardFailedError, RewardResult
 
@@ -36,7 +38,7 @@ _BUILDERS = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"
 _SUFFIXES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-class DatasetError(ValueError):
+class DatasetError(RolloutlogError, ValueError):
     """A dataset file or row that cannot become prompts (the message names it)."""
 
 

@@ -42,13 +42,14 @@ from rolloutlog.controller.prompt_ledger import build_ledger, cross_check
 from rolloutlog.controller.rollout_controller import replay
 from rolloutlog.controller.rollout_index import read_indexed
 from rolloutlog.eventstore import EventStore
+from rolloutlog.eventstore.errors import RolloutlogError
 
 from .run_config import RunConfig
 
 _ERROR_LINE = re.compile(r"\b[A-Z]\w*(?:Error|Exception): \S.*$")
 
 
-class DemoError(RuntimeError):
+class DemoError(RolloutlogError, RuntimeError):
     """The demo could not complete (a worker failed); the message says where."""
 
 
