@@ -50,6 +50,7 @@ from .domain.events import CheckpointMarked, RolloutEvent, SiblingCompleted
 from .domain.invariants import check_invariants
 from .domain.state import RunState
 from .gc_freeze import HeapFreezer
+from .recorded import RecordedEvents
 
 # ReplayResult, check_ranges and iter_history: re-exported, where callers found them first.
 from .rollout_history import ReplayResult as ReplayResult
@@ -147,10 +148,11 @@ class RolloutController:
         #: cutting the snapshot) on the caller's thread, in seconds.
         self.snapshot_step_max_s = 0.0
         self._lock = threading.RLock()
-        #: Called with the (offset, event) pairs of every executed command, once they
-        #: are durable (in log order; events that never became durable are never passed).
-        self.listeners: list[Callable[[list[tuple[int, RolloutEvent]]], None]] = []
-        self._undelivered: deque[list[tuple[int, RolloutEvent]]] = deque()
+        #: Called with the :class:`RecordedEvents` of every executed command (its events,
+        #: their offsets and the row metadata stored with them), once they are durable (in
+        #: log order; events that never became durable are never passed).
+        self.listeners: list[Callable[[RecordedEvents], None]] = []
+        self._undelivered: deque[RecordedEvents] = deque()
         self._deliver_lock = threading.RLock()
         self._failure: BaseException | None = None
         # Process-wide: see gc_freeze.py for what each kind of freeze costs.
@@ -407,7 +409,7 @@ class RolloutController:
                 )
                 self._mark_failed(err)
                 raise err
-            self._undelivered.append(applied)
+            self._undelivered.append(RecordedEvents(first, tuple(events), now, self.epoch, ts, wv))
             if self.store_config.snapshot_interval > 0:
                 self._snapshot_encoder.touched(events)
             self._maybe_snapshot(started)
@@ -458,11 +460,11 @@ class RolloutController:
         """Hand listeners the events of every executed command that is now durable."""
         with self._deliver_lock:
             durable = self.committer.durable_seq
-            while self._undelivered and self._undelivered[0][-1][0] <= durable:
-                applied = self._undelivered.popleft()
+            while self._undelivered and self._undelivered[0].last_offset <= durable:
+                recorded = self._undelivered.popleft()
                 for listener in list(self.listeners):
                     try:
-                        listener(applied)
+                        listener(recorded)
                     except Exception:  # telemetry must never kill a run
                         log.exception("event listener failed")
 
