@@ -10,7 +10,8 @@ demo:
 
 test:
 	scripts/setup.sh --vllm
+	scripts/lint_imports.sh
 	.venv/bin/python -m pytest
 
 lint:
-	.venv/bin/ruff check . && .venv/bin/ruff format --check .
+	.venv/bin/ruff check . && .venv/bin/ruff format --check . && scripts/lint_imports.sh
