@@ -116,6 +116,11 @@ def check(engine: Engine) -> str:
             f"{where} has no rolloutlog schema; create it with: {_fix_hint(engine)}"
         )
     known = {s.revision for s in ScriptDirectory.from_config(alembic_config()).walk_revisions()}
+    if current not in known and not schema_branches() and _store_tables_current(engine):
+        # A process that uses the store alone, on a database that also holds a branch's
+        # tables (a rollout log): the revision is that branch's, and the store's own
+        # tables are exactly this code's.
+        return head
     if current not in known:
         raise SchemaMismatchError(
             f"{where} is at schema revision {current!r}, which this rolloutlog does not know "
@@ -125,6 +130,27 @@ def check(engine: Engine) -> str:
         f"{where} is at schema revision {current!r} but this rolloutlog expects {head!r}; "
         f"run: {_fix_hint(engine)}"
     )
+
+
+def _store_tables_current(engine: Engine) -> bool:
+    """Whether the store's tables are there and exactly as this code's schema has them
+    (alembic's comparison, limited to those tables; other tables are not looked at)."""
+    from alembic.autogenerate import compare_metadata
+
+    own = set(store_metadata.tables)
+
+    def include_name(name: str | None, type_: str, parent: dict[str, str | None]) -> bool:
+        if type_ == "table":
+            return name in own
+        return parent.get("table_name") in own if type_ in ("column", "index") else True
+
+    with engine.connect() as conn:
+        if not own <= set(sa.inspect(conn).get_table_names()):
+            return False
+        ctx = MigrationContext.configure(
+            conn, opts={"compare_type": True, "include_name": include_name}
+        )
+        return not compare_metadata(ctx, store_metadata)
 
 
 def ensure_schema(engine: Engine) -> str:

@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -44,16 +45,19 @@ def _tables(url: str) -> set[str]:
         engine.dispose()
 
 
+def _store_only(url: str) -> dict[str, Any]:
+    """What a process that imports the store alone sees when it opens ``url``."""
+    done = subprocess.run(
+        [sys.executable, "-c", _STORE_ONLY, url], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    seen: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return seen
+
+
 def test_the_store_creates_its_schema_without_the_controller(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'log.db'}"
-    done = subprocess.run(
-        [sys.executable, "-c", _STORE_ONLY, url],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    seen = _store_only(url)
     assert seen["controller_modules"] == []
     assert seen["revision"] == "0005_generic_events"
     assert set(seen["tables"]) == {
@@ -84,3 +88,10 @@ def test_the_store_creates_its_schema_without_the_controller(tmp_path: Path) -> 
         assert store.last_seq("r") >= 1
     finally:
         store.close()
+
+    # And a store-only process opens the rollout log: the revision is the branch's, the
+    # store's own tables are exactly its schema.
+    seen = _store_only(url)
+    assert seen["controller_modules"] == []
+    assert seen["revision"] == migrate.head_revision()
+    assert "rollout_index" in seen["tables"]
