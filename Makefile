@@ -10,10 +10,11 @@ demo:
 
 test:
 	scripts/setup.sh --vllm
+	scripts/lint_imports.sh
 	.venv/bin/python -m pytest
 
 lint:
-	.venv/bin/ruff check . && .venv/bin/ruff format --check .
+	.venv/bin/ruff check . && .venv/bin/ruff format --check . && scripts/lint_imports.sh
 
 # mypy over the installed packages (rolloutlog.eventstore, rolloutlog.controller), found
 # through the strict editable install's link tree that scripts/setup.sh makes.

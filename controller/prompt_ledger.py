@@ -25,7 +25,7 @@ from .domain.events import (
     StepTrained,
 )
 from .domain.state import RunState
-from .rollout_controller import iter_history
+from .rollout_history import iter_history
 
 #: A prompt's identity: ``(pass, dataset index)``.
 PromptId = tuple[int, int]

@@ -34,7 +34,7 @@ from .domain.events import (
     WeightsPublished,
 )
 from .domain.state import Phase, RunState
-from .rollout_controller import _check_cursors, iter_history, replay
+from .rollout_history import check_cursors, iter_history, replay
 from .rollout_index import IndexedEvent, read_where
 
 _ALWAYS_LEADS = {
@@ -292,7 +292,7 @@ def check_history(store: EventStoreProtocol, run_id: str, to_seq: int | None = N
         if not found and isinstance(decision.leader, CheckpointMarked):
             # What restore checks before restoring to this checkpoint, checked here too.
             try:
-                _check_cursors(state, decision.leader, decision.offset)
+                check_cursors(state, decision.leader, decision.offset)
             except DomainError as exc:
                 found = [exc]
         if found:

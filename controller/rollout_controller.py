@@ -32,11 +32,9 @@ from rolloutlog.eventstore import (
     StoreError,
     open_committer,
 )
-from rolloutlog.eventstore.compaction import check_replayable
-from rolloutlog.eventstore.history import skipped_ranges
 
 from .config import RolloutConfig, StoreConfig, fingerprint
-from .domain import CODEC, decide, evolve, find_violations
+from .domain import CODEC, decide, evolve
 from .domain.commands import (
     Command,
     CompleteSibling,
@@ -47,13 +45,21 @@ from .domain.commands import (
     StartRun,
 )
 from .domain.completion import Completion
-from .domain.errors import CursorBehindError, RestoreError, UnknownPayloadError
+from .domain.errors import RestoreError, UnknownPayloadError
 from .domain.events import CheckpointMarked, RolloutEvent, SiblingCompleted
 from .domain.invariants import check_invariants
 from .domain.state import RunState
 from .gc_freeze import HeapFreezer
-from .rollout_index import IndexedEvent, attach, encode, encode_many, read_history_indexed
-from .snapshot_encoder import SnapshotEncoder, decode_snapshot, encode_snapshot
+from .recorded import RecordedEvents
+
+# ReplayResult, check_ranges and iter_history: re-exported, where callers found them first.
+from .rollout_history import ReplayResult as ReplayResult
+from .rollout_history import check_cursors, replay
+from .rollout_history import check_ranges as check_ranges
+from .rollout_history import iter_history as iter_history
+from .rollout_index import attach, encode, encode_many
+from .snapshot_encoder import SnapshotEncoder, encode_snapshot
+from .snapshot_encoder import decode_snapshot as decode_snapshot  # re-exported
 
 log = logging.getLogger(__name__)
 
@@ -95,139 +101,6 @@ class RecoveryReport:
     def to_dict(self) -> dict[str, object]:
         """JSON-friendly form."""
         return asdict(self)
-
-
-@dataclass
-class ReplayResult:
-    """A state rebuilt from the log, and how it was rebuilt."""
-
-    state: RunState
-    snapshot_offset: int | None
-    events_replayed: int
-    load_seconds: float
-    replay_seconds: float
-    #: Seconds spent after the replay waiting for the check that the events before the
-    #: snapshot are all stored (it runs beside the replay; 0 when it had finished).
-    log_check_seconds: float = 0.0
-
-
-def iter_history(
-    store: EventStoreProtocol, run_id: str, to_seq: int | None = None, *, from_seq: int = 1
-) -> Iterator[tuple[IndexedEvent, RolloutEvent]]:
-    """Decoded events of the run's history (skipping ranges a restore abandoned), each
-    row with its rollout index keys."""
-    for row in read_history_indexed(store, run_id, to_seq, from_seq=from_seq):
-        yield row, CODEC.decode(row)  # type: ignore[misc]
-
-
-def replay(
-    store: EventStoreProtocol,
-    run_id: str,
-    to_seq: int | None = None,
-    *,
-    use_snapshots: bool = True,
-    check_each: Callable[[RunState, StoredEvent], None] | None = None,
-    check_threads: int = 2,
-) -> ReplayResult:
-    """Rebuild the state at ``to_seq`` (default: the end of the current history).
-
-    From the newest usable snapshot, the events before it are never read, so they are
-    checked whole (:meth:`EventStore.check_whole`, a count over the run's primary key:
-    O(log size)) while the snapshot is decoded and the tail replayed: in
-    ``check_threads`` disjoint ranges, each counted on a thread of its own, in the
-    database and off the GIL (``StoreConfig.log_check_threads``). The rows of branches
-    that restores abandoned after the snapshot (or without one) are not read either and
-    are counted the same way (a cost proportional to those rows; none on a log without
-    restores). Their :class:`CorruptLogError` is raised here, after the replay; a replay
-    that fails first
-    still waits for the checks to end, so no thread outlives the call.
-    """
-    if check_threads < 1:
-        raise ValueError(f"check_threads must be >= 1, got {check_threads}")
-    with ThreadPoolExecutor(
-        max_workers=check_threads, thread_name_prefix="rolloutlog-log-check"
-    ) as pool:
-        checking: list[Future[None]] = []
-        try:
-            result = _replay(
-                store, run_id, to_seq, use_snapshots, check_each, pool, checking, check_threads
-            )
-        except BaseException:
-            # The replay's own error wins; the check is waited for (the pool's exit).
-            for future in checking:
-                future.cancel()
-            raise
-        waited = time.perf_counter()
-        for future in checking:
-            future.result()  # counts in the database: bounded by the log's size
-        result.log_check_seconds = time.perf_counter() - waited
-    return result
-
-
-def check_ranges(upto: int, parts: int) -> list[tuple[int, int]]:
-    """Offsets ``1..upto`` as at most ``parts`` disjoint ``(from_seq, upto)`` ranges of
-    near-equal length, in order (none when ``upto`` < 1)."""
-    parts = max(1, min(parts, upto))
-    edges = [upto * k // parts for k in range(parts + 1)]
-    return [(edges[k] + 1, edges[k + 1]) for k in range(parts) if edges[k + 1] > edges[k]]
-
-
-def _replay(
-    store: EventStoreProtocol,
-    run_id: str,
-    to_seq: int | None,
-    use_snapshots: bool,
-    check_each: Callable[[RunState, StoredEvent], None] | None,
-    pool: ThreadPoolExecutor,
-    checking: list[Future[None]],
-    check_threads: int,
-) -> ReplayResult:
-    """:func:`replay`'s work; the wholeness checks of the snapshot's events are started
-    on ``pool`` and put in ``checking``."""
-    started = time.perf_counter()
-    segments = store.history_segments(run_id, to_seq)
-    state: RunState | None = None
-    snap_offset: int | None = None
-    counted = 0  # offsets 1..counted are checked whole by a count (the snapshot's prefix)
-    if use_snapshots:
-        for first, last in reversed(segments):
-            snap = store.load_snapshot(run_id, at_or_before=last, check=False)
-            if snap is not None and snap.seq >= first:
-                for lo, hi in check_ranges(snap.seq, check_threads):
-                    checking.append(pool.submit(store.check_whole, run_id, hi, from_seq=lo))
-                counted = snap.seq
-                try:
-                    state = decode_snapshot(snap.data)
-                    snap_offset = snap.seq
-                except Exception as exc:  # a bad snapshot costs time, never correctness
-                    log.warning("ignoring unreadable snapshot at %s: %s", snap.seq, exc)
-                    state = None
-                break
-    # The rows of abandoned branches are never read: checked whole like the snapshot's
-    # prefix (which already counts those below the snapshot), so a row missing there is
-    # reported as it is by the readers of every row (metrics, audit).
-    for lo, hi in skipped_ranges(segments):
-        if hi > counted:
-            checking.append(
-                pool.submit(store.check_whole, run_id, hi, from_seq=max(lo, counted + 1))
-            )
-    loaded = time.perf_counter()
-    if state is None:
-        state = RunState()
-    # After a compaction, only offsets whose rebuild starts at or after its base work.
-    check_replayable(store, run_id, segments, state.last_seq, to_seq)
-    count = 0
-    upper = segments[-1][1] if segments else 0
-    for first, last in segments:
-        lo = max(first, state.last_seq + 1)
-        if lo > last:
-            continue
-        for row in store.read(run_id, lo, min(last, upper)):
-            evolve(state, CODEC.decode(row), row.seq)  # type: ignore[arg-type]
-            count += 1
-            if check_each is not None:
-                check_each(state, row)
-    return ReplayResult(state, snap_offset, count, loaded - started, time.perf_counter() - loaded)
 
 
 class RolloutController:
@@ -275,10 +148,11 @@ class RolloutController:
         #: cutting the snapshot) on the caller's thread, in seconds.
         self.snapshot_step_max_s = 0.0
         self._lock = threading.RLock()
-        #: Called with the (offset, event) pairs of every executed command, once they
-        #: are durable (in log order; events that never became durable are never passed).
-        self.listeners: list[Callable[[list[tuple[int, RolloutEvent]]], None]] = []
-        self._undelivered: deque[list[tuple[int, RolloutEvent]]] = deque()
+        #: Called with the :class:`RecordedEvents` of every executed command (its events,
+        #: their offsets and the row metadata stored with them), once they are durable (in
+        #: log order; events that never became durable are never passed).
+        self.listeners: list[Callable[[RecordedEvents], None]] = []
+        self._undelivered: deque[RecordedEvents] = deque()
         self._deliver_lock = threading.RLock()
         self._failure: BaseException | None = None
         # Process-wide: see gc_freeze.py for what each kind of freeze costs.
@@ -443,7 +317,7 @@ class RolloutController:
                 "offset checkpoint() returned, or force"
             )
         if marker is not None:
-            _check_cursors(state, marker, offset)
+            check_cursors(state, marker, offset)
         check_invariants(state)
         timings["check"] = time.perf_counter() - t1
         t2 = time.perf_counter()
@@ -541,7 +415,7 @@ class RolloutController:
                 )
                 self._mark_failed(err)
                 raise err
-            self._undelivered.append(applied)
+            self._undelivered.append(RecordedEvents(first, tuple(events), now, self.epoch, ts, wv))
             if self.store_config.snapshot_interval > 0:
                 self._snapshot_encoder.touched(events)
             self._maybe_snapshot(started)
@@ -592,11 +466,11 @@ class RolloutController:
         """Hand listeners the events of every executed command that is now durable."""
         with self._deliver_lock:
             durable = self.committer.durable_seq
-            while self._undelivered and self._undelivered[0][-1][0] <= durable:
-                applied = self._undelivered.popleft()
+            while self._undelivered and self._undelivered[0].last_offset <= durable:
+                recorded = self._undelivered.popleft()
                 for listener in list(self.listeners):
                     try:
-                        listener(applied)
+                        listener(recorded)
                     except Exception:  # telemetry must never kill a run
                         log.exception("event listener failed")
 
@@ -757,41 +631,6 @@ def _checkpoint_marker(
     event = CODEC.decode(rows[0])
     assert isinstance(event, CheckpointMarked)
     return event
-
-
-def _check_cursors(state: RunState, marker: CheckpointMarked, offset: int) -> None:
-    """The checkpoint's recorded cursors must cover the work the log restores."""
-    stamps = [g.target_step for g in state.groups.values() if g.target_step is not None]
-    newest = max(stamps, default=-1)
-    if marker.dispatch_cursor <= newest:
-        culprit = next(g for g in state.groups.values() if g.target_step == newest)
-        raise CursorBehindError(
-            f"checkpoint at offset {offset}: field dispatch_cursor={marker.dispatch_cursor} is "
-            f"stale, the restored buffer holds group {culprit.group_id} (prompt "
-            f"{culprit.prompt_index}) stamped for step {newest}; refusing to restore rather "
-            "than drop prompts",
-            groups=(culprit.group_id,),
-            offset=offset,
-        )
-    if marker.dataset_cursor < state.dataset_cursor:
-        raise CursorBehindError(
-            f"checkpoint at offset {offset}: field dataset_cursor={marker.dataset_cursor} is "
-            f"behind the {state.dataset_cursor} prompts the restored state has pulled",
-            offset=offset,
-        )
-    if (marker.dispatch_cursor, marker.dataset_cursor) != (
-        state.dispatch_cursor,
-        state.dataset_cursor,
-    ):
-        raise CursorBehindError(
-            f"checkpoint at offset {offset} records dispatch_cursor={marker.dispatch_cursor}, "
-            f"dataset_cursor={marker.dataset_cursor} but replay gives "
-            f"{state.dispatch_cursor}, {state.dataset_cursor}",
-            offset=offset,
-        )
-    violations = [v for v in find_violations(state) if isinstance(v, CursorBehindError)]
-    if violations:
-        raise violations[0]
 
 
 def _descendant_rows(store: EventStoreProtocol, run_id: str, offset: int) -> Iterator[StoredEvent]:

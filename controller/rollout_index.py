@@ -23,13 +23,14 @@ An event of a sibling type thus writes three B-tree entries (``events`` and its 
 key, the sibling row and its group index entry: four) instead of six, and binds three
 values instead of eight (revision ``0011_sibling_index``; docs/benchmarks.md).
 
-The tables are created by the controller's own alembic revisions
-(``controller/index_migrations``): ``0004_rollout_index`` created ``rollout_index`` and
-backfilled it from the audit columns the ``events`` table had in revisions 0001-0003,
-``0006_rollout_views`` re-created the audit views on top of it; ``0009`` made the
-indexes of the sparse keys partial; ``0010`` dropped the train-step index (the
-type-and-step index serves a step alone); ``0011`` moved the sibling events' rows to
-``rollout_sibling_index`` and ``rollout_step_marks``.
+The tables are created by the controller's own alembic revisions, the branch
+``rollout_index`` (``controller/index_migrations``, registered with the store's
+migrations when this module is imported: :data:`SCHEMA_BRANCH`): ``0004_rollout_index``
+created ``rollout_index`` and backfilled it from the audit columns the ``events`` table
+had in revisions 0001-0003, ``0006_rollout_views`` re-created the audit views on top of
+it; ``0009`` made the indexes of the sparse keys partial; ``0010`` dropped the train-
+step index (the type-and-step index serves a step alone); ``0011`` moved the sibling
+events' rows to ``rollout_sibling_index`` and ``rollout_step_marks``.
 
 Lookups (:func:`read_where`) and history reads (:func:`read_indexed`) return
 :class:`IndexedEvent`: a stored event plus its keys, whichever table holds them.
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import sqlalchemy as sa
@@ -48,7 +50,9 @@ from rolloutlog.eventstore import EventStore, NewEvent, StoredEvent
 from rolloutlog.eventstore.history import history_ranges
 from rolloutlog.eventstore.schema import events as events_table
 from rolloutlog.eventstore.schema import metadata as store_metadata
+from rolloutlog.eventstore.schema_branches import SchemaBranch, register_schema_branch
 
+from . import index_migrations
 from .domain.events import (
     CODEC,
     AuditKeys,
@@ -272,6 +276,15 @@ ROLLOUT_INDEXER = RolloutIndexer()
 SIBLING_INDEXER = SiblingIndexer()
 STEP_MARK_INDEXER = StepMarkIndexer()
 INDEXERS = (ROLLOUT_INDEXER, SIBLING_INDEXER, STEP_MARK_INDEXER)
+
+#: The alembic branch that creates these tables (``controller/index_migrations``).
+#: Registered when this module is imported: a process that runs or reads rollouts
+#: creates, checks and upgrades them with the store's tables; one that uses the store
+#: alone never sees them.
+SCHEMA_BRANCH = SchemaBranch(
+    "rollout_index", Path(index_migrations.__file__).resolve().parent, metadata
+)
+register_schema_branch(SCHEMA_BRANCH)
 
 
 def attach(store: EventStoreProtocol) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from rolloutlog.eventstore import PayloadPut, decode_arrays, encode_arrays
+from rolloutlog.eventstore.errors import RolloutlogError
 
 from .backends.base import (
     BackendAbortedError,
@@ -31,6 +31,7 @@ from .backends.base import (
     BackendUnavailableError,
     GroupRequest,
     MalformedResultError,
+    RecordsEngineMembership,
     SamplingConfig,
     SiblingSpec,
     validate_results,
@@ -142,7 +143,7 @@ class Batch:
         return sum(s.reward for s in self.samples) / max(1, len(self.samples))
 
 
-class RunStoppedError(RuntimeError):
+class RunStoppedError(RolloutlogError, RuntimeError):
     """The pump stopped because of an error; the message names it. The log is intact."""
 
 
@@ -217,18 +218,13 @@ class RolloutRuntime:
         #: listener here (unless the caller installed its own), before the fleet starts,
         #: so the engines' joins are recorded too.
         self.membership: EngineMembershipRecorder | None = None
-        # A fleet backend's module is imported once one exists (it needs the [torch]
-        # extra, which an in-process backend alone does not).
-        fleet = sys.modules.get(f"{__package__}.backends.fleet")
-        if (
-            fleet is not None
-            and isinstance(backend, fleet.FleetBackend)
-            and type(backend.listener) is fleet.FleetListener
-        ):
+        if isinstance(backend, RecordsEngineMembership):
+            # Imported only here: the recorder needs the fleet's modules ([fleet] extra).
             from .engine_membership import EngineMembershipRecorder
 
-            self.membership = EngineMembershipRecorder(controller, on_error=self._fail)
-            backend.listener = self.membership
+            recorder = EngineMembershipRecorder(controller, on_error=self._fail)
+            if backend.adopt_membership_recorder(recorder):
+                self.membership = recorder
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:

@@ -39,6 +39,10 @@ from sqlalchemy.engine import Connection
 
 from rolloutlog.eventstore import EventStore, RunNotFoundError, StoreError
 
+# The views audited are the rollout index's branch: its module registers that branch, so
+# the schema check of the log opened here includes it.
+from . import rollout_index as _rollout_index  # noqa: F401
+
 #: The audit views and what each holds (columns: ``docs/sql-cookbook.md``).
 VIEWS: dict[str, str] = {
     "history_spans": "the contiguous offset ranges of each run's current history",

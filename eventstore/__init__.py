@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .codec import EventCodec, EventModel
+    from .committer import Committer
     from .errors import (
         AppendConflictError,
         CorruptEventError,
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
         NewerSchemaVersionError,
         PayloadNotFoundError,
         ReadOnlyStoreError,
+        RolloutlogError,
         RunExistsError,
         RunNotFoundError,
         SchemaMismatchError,
@@ -37,7 +39,7 @@ if TYPE_CHECKING:
         UnknownEventTypeError,
         WriterProcessError,
     )
-    from .groupcommit import Committer, GroupCommitter, open_committer
+    from .groupcommit import GroupCommitter, open_committer
     from .history import history_segments
     from .indexing import Indexer
     from .memory import MemoryEventStore
@@ -71,6 +73,7 @@ _PUBLIC: dict[str, str] = {
     "PayloadNotFoundError": "errors",
     "ReadOnlyStoreError": "errors",
     "RunExistsError": "errors",
+    "RolloutlogError": "errors",
     "RunNotFoundError": "errors",
     "SchemaMismatchError": "errors",
     "StoreError": "errors",
@@ -78,7 +81,7 @@ _PUBLIC: dict[str, str] = {
     "StoreUrlError": "errors",
     "UnknownEventTypeError": "errors",
     "WriterProcessError": "errors",
-    "Committer": "groupcommit",
+    "Committer": "committer",
     "GroupCommitter": "groupcommit",
     "open_committer": "groupcommit",
     "history_segments": "history",
@@ -117,6 +120,7 @@ __all__ = [
     "PayloadNotFoundError",
     "PayloadPut",
     "ReadOnlyStoreError",
+    "RolloutlogError",
     "RunExistsError",
     "RunInfo",
     "RunNotFoundError",

@@ -1,7 +1,10 @@
-"""One error hierarchy shared by every backend of the event store.
+"""The base of every error rolloutlog raises, and the event store's errors.
 
-Callers catch :class:`StoreError` (or one of its subclasses) whatever the dialect;
-backend-specific driver exceptions never escape the store unwrapped.
+:class:`RolloutlogError` is the one base under every exception class of the library
+(store, domain, backends, runtime, configuration, audit...), defined here, in the lowest
+layer, so that every layer can derive from it; ``rolloutlog.RolloutlogError`` is the
+same class. Callers catch :class:`StoreError` (or one of its subclasses) whatever the
+dialect; backend-specific driver exceptions never escape the store unwrapped.
 """
 
 from __future__ import annotations
@@ -9,8 +12,14 @@ from __future__ import annotations
 from typing import Any
 
 
-class StoreError(Exception):
-    """Base class of every error raised by the event store."""
+class RolloutlogError(Exception):
+    """Base class of every error rolloutlog raises (``except RolloutlogError`` catches
+    them all). Subclasses keep the builtin bases callers catch them by (``ValueError``,
+    ``KeyError``, ``RuntimeError``) as second bases.
+
+    Every subclass pickles whole (type, message and attributes), whatever its
+    constructor takes: an error raised in a child process arrives as it was raised.
+    """
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Subclasses take structured constructor arguments (AppendConflictError(run_id,
@@ -20,11 +29,15 @@ class StoreError(Exception):
         return (_rebuild_error, (type(self), self.args, dict(self.__dict__)))
 
 
-def _rebuild_error(cls: type[StoreError], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+def _rebuild_error(cls: type[RolloutlogError], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
     err = cls.__new__(cls)
     BaseException.__init__(err, *args)
     err.__dict__.update(state)
     return err
+
+
+class StoreError(RolloutlogError):
+    """Base class of every error raised by the event store."""
 
 
 class StoreUrlError(StoreError, ValueError):

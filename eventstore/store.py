@@ -27,6 +27,7 @@ from sqlalchemy.engine.url import URL
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, NoSuchModuleError
 
 from .bulk import MultiRowInsert
+from .driver_errors import DriverFault, driver_fault
 from .errors import (
     AppendConflictError,
     CorruptLogError,
@@ -752,7 +753,7 @@ class EventStore:
         try:
             yield
         except DBAPIError as exc:
-            if getattr(exc.orig, "sqlstate", None) != "55P03":
+            if driver_fault(self.dialect, exc.orig) is not DriverFault.LOCK_TIMEOUT:
                 raise
             holders = self._lock_holders(run_id)
             held_by = "; ".join(holders) if holders else "no holder found (it may have let go)"
@@ -1235,16 +1236,14 @@ class _ErrorTranslator:
         where = self.store.url.render_as_string(hide_password=True)
         if isinstance(exc, DBAPIError):
             msg = str(exc.orig) if exc.orig is not None else str(exc)
-            low = msg.lower()
-            if "0x00" in low and "invalid byte sequence" in low:
-                msg = f"PostgreSQL text cannot hold a NUL (0x00) character: {msg.strip()}"
-            if "readonly" in low or "read-only" in low or "read only" in low:
+            fault = driver_fault(self.store.dialect, exc.orig)
+            if fault is DriverFault.BAD_TEXT:
+                msg = f"PostgreSQL text cannot hold this value (a NUL, 0x00, character?): {msg}"
+            if fault is DriverFault.READ_ONLY:
                 raise ReadOnlyStoreError(
                     f"{where} is read-only while {self.doing}: {msg.strip()}"
                 ) from exc
-            if isinstance(exc.orig, sqlite3.DatabaseError) and (
-                "not a database" in low or "malformed" in low or "disk image" in low
-            ):
+            if fault is DriverFault.NOT_A_DATABASE:
                 raise StoreUnavailableError(
                     f"{where} is not a valid SQLite database (corrupt or truncated file) "
                     f"while {self.doing}: {msg.strip()}"

@@ -59,8 +59,8 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from .committer import Committer, CommitWriter, check_committer_args, record_commit_seconds
 from .errors import GroupCommitClosedError, StoreError, WriterProcessError
-from .groupcommit import Committer, CommitWriter, check_committer_args, record_commit_seconds
 from .protocol import EventStoreProtocol
 from .records import NewEvent, PayloadPut
 

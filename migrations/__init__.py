@@ -1,14 +1,15 @@
-"""Alembic environment and revisions for rolloutlog's database (SQLite and PostgreSQL).
+"""Alembic environment and the store's revisions (SQLite and PostgreSQL).
 
-One chain of revisions in two folders: ``versions/`` holds the log's own (the generic
-event store: runs, events, epochs, payloads, snapshots, compactions), and
-``controller/index_migrations/`` the controller's (the rollout index and the audit views
-over it). Revisions 0001-0003 predate the split and mixed both.
+``versions/`` holds the log's own revisions (the generic event store: runs, events,
+epochs, payloads, snapshots, compactions), labelled ``eventstore``. Tables an
+application keeps beside the log come with revisions of their own, registered as
+branches (:mod:`rolloutlog.eventstore.schema_branches`): the controller's rollout index
+is the branch ``rollout_index`` in ``controller/index_migrations/``. Revisions 0001-0003
+predate the split and created the rollout audit keys and views too; 0005 removes them
+from the store's tables.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 # This folder is the package rolloutlog.migrations (pyproject's package-dir). Imported as a bare
 # `migrations` (the repository root on sys.path, an IDE's auto-import) it would be a second copy
@@ -19,10 +20,3 @@ if __name__ == "migrations":
         "rolloutlog.migrations, and a bare `migrations` import would load a second copy of it",
         name=__name__,
     )
-
-
-def version_locations(script_dir: Path) -> list[Path]:
-    """The folders holding the revisions of the environment at ``script_dir``."""
-    import rolloutlog.controller.index_migrations as controller_revisions
-
-    return [script_dir / "versions", Path(controller_revisions.__file__).resolve().parent]

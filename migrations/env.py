@@ -5,12 +5,12 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import context
 
-from rolloutlog.controller.rollout_index import metadata as index_metadata
 from rolloutlog.eventstore.schema import metadata
 
 config = context.config
-# The log's tables and the controller's index (see migrations/__init__.py).
-target_metadata = [metadata, index_metadata]
+# The log's tables and those of the branches registered in this process
+# (eventstore/migrate.py passes them; rolloutlog.eventstore.schema_branches).
+target_metadata = config.attributes.get("target_metadata", [metadata])
 
 
 def run_migrations_offline() -> None:

@@ -5,6 +5,8 @@ light and never imports torch)::
 
     from rolloutlog import EventStore, RolloutController, RolloutRuntime, RolloutConfig
 
+Every error the library raises derives from :class:`RolloutlogError`.
+
 The packages (docs/architecture.md has the picture):
 
 - :mod:`rolloutlog.eventstore`: the generic append-only log (SQLite, PostgreSQL, memory).
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
     from rolloutlog.controller.rollout_controller import RolloutController
     from rolloutlog.controller.rollout_runtime import RolloutRuntime
     from rolloutlog.eventstore import EventStore
+    from rolloutlog.eventstore.errors import RolloutlogError
 
 # Run from a checkout (its root first on sys.path, as `python -m pytest` there puts it), this
 # folder shadows the installed package, whose controller/, eventstore/ and migrations/ are
@@ -41,9 +44,10 @@ _PUBLIC: dict[str, str] = {
     "RolloutConfig": "rolloutlog.controller.config",
     "RolloutController": "rolloutlog.controller.rollout_controller",
     "RolloutRuntime": "rolloutlog.controller.rollout_runtime",
+    "RolloutlogError": "rolloutlog.eventstore.errors",
 }
 
-__all__ = ["EventStore", "RolloutConfig", "RolloutController", "RolloutRuntime"]
+__all__ = ["EventStore", "RolloutConfig", "RolloutController", "RolloutRuntime", "RolloutlogError"]
 
 
 def __getattr__(name: str) -> Any:

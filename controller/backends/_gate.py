@@ -20,8 +20,10 @@ import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from rolloutlog.eventstore.errors import RolloutlogError
 
-class GateReentryError(RuntimeError):
+
+class GateReentryError(RolloutlogError, RuntimeError):
     """A task inside the drain gate tried to enter it again (it would deadlock)."""
 
 

@@ -15,13 +15,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
+from rolloutlog.eventstore.errors import RolloutlogError
+
 from ..domain.completion import Completion
 
 if TYPE_CHECKING:  # torch is the [torch] extra: the core imports it only where weights move
     import torch
 
 
-class BackendError(Exception):
+class BackendError(RolloutlogError):
     """A generation request failed. ``retryable`` says whether a new attempt may succeed."""
 
     def __init__(self, message: str, *, retryable: bool = True) -> None:
@@ -138,6 +140,17 @@ class SiblingResult:
             finish_reason=self.finish_reason,
             engine_id=self.engine_id,
         )
+
+
+@runtime_checkable
+class RecordsEngineMembership(Protocol):
+    """A backend whose engines join and leave while a run goes on (the fleet): the runtime
+    offers it a recorder that writes their membership to the log."""
+
+    def adopt_membership_recorder(self, recorder: Any) -> bool:
+        """Install ``recorder`` (a ``FleetListener``) unless the caller installed a
+        listener of its own; True when installed."""
+        ...
 
 
 @runtime_checkable

@@ -226,6 +226,14 @@ class FleetBackend:
         self._started = False
         self._closed = False
 
+    def adopt_membership_recorder(self, recorder: FleetListener) -> bool:
+        """Install the runtime's membership ``recorder`` as the listener unless the caller
+        gave one of its own (see ``RecordsEngineMembership``); True when installed."""
+        if type(self.listener) is not FleetListener:
+            return False
+        self.listener = recorder
+        return True
+
     # --- protocol properties --------------------------------------------------------
 
     @property

@@ -34,7 +34,7 @@ from rolloutlog.controller.backends.base import (
     SiblingResult,
     SiblingSpec,
 )
-from rolloutlog.grpo.model_loader import load_causal_lm
+from rolloutlog.controller.backends.model_loader import load_causal_lm
 
 
 class _Aborted(Exception):

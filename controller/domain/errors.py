@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from rolloutlog.eventstore.errors import RolloutlogError
 
-class DomainError(Exception):
+
+class DomainError(RolloutlogError):
     """Base of every rollout-domain error."""
 
 

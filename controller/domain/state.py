@@ -301,7 +301,7 @@ def ready_index(groups: dict[int, GroupState]) -> dict[int, None]:
 @functools.lru_cache(maxsize=4)
 def _pass_order(seed: int, pass_: int, size: int) -> tuple[int, ...]:
     """A pass's order, cached: every pull of a pass reads the same permutation."""
-    from ..workloads.passes import pass_permutation
+    from .passes import pass_permutation
 
     return tuple(pass_permutation(seed, pass_, size))
 

@@ -28,9 +28,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rolloutlog.controller.engines.config import LaunchConfig
+from rolloutlog.eventstore.errors import RolloutlogError
 
 
-class EngineLaunchError(RuntimeError):
+class EngineLaunchError(RolloutlogError, RuntimeError):
     """An engine server did not start (the message names why, with its log's tail)."""
 
 

@@ -1,7 +1,7 @@
 """The audit views again, now over the events table joined with the rollout index.
 
 Revision ID: 0006_rollout_views
-Revises: 0005_generic_events
+Revises: 0005_generic_events, 0004_rollout_index
 Create Date: 2026-12-03
 
 The views, their columns and their meaning are those of ``0002_audit_views`` (see its
@@ -20,7 +20,7 @@ from __future__ import annotations
 from alembic import context, op
 
 revision = "0006_rollout_views"
-down_revision = "0005_generic_events"
+down_revision = ("0005_generic_events", "0004_rollout_index")
 branch_labels = None
 depends_on = None
 

@@ -12,6 +12,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -25,7 +26,6 @@ from prometheus_client.registry import Collector
 
 from .exposition import Family
 from .histogram import BucketCounts
-from .live import MetricsSource
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,20 @@ def render_families(name: str, parts: Sequence[tuple[Family, dict[str, str]]]) -
                 assert not isinstance(metric, HistogramMetricFamily)
                 metric.add_metric(values, float(sample.value))
     return metric
+
+
+class MetricsSource(Protocol):
+    """Anything the exporter can render: a list of metric families, read on each scrape,
+    and the run they belong to (the ``run_id`` label of every series)."""
+
+    @property
+    def run_id(self) -> str | None:
+        """The run the families describe (None until known)."""
+        ...
+
+    def families(self) -> list[Family]:
+        """The metric families now."""
+        ...
 
 
 Sources = Callable[[], Sequence[MetricsSource]]

@@ -21,24 +21,20 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from rolloutlog.eventstore import EventStoreProtocol, StoreError
-from rolloutlog.eventstore.groupcommit import COMMIT_HISTORY
+from rolloutlog.eventstore.committer import COMMIT_HISTORY
 from rolloutlog.eventstore.watch import AppendWatcher
 
 from ..domain.events import CODEC, CheckpointMarked, RolloutEvent
 from ..domain.state import RunState
+from ..recorded import RecordedEvents
 from ..rollout_index import read_indexed
-from .projection import (
-    METRICS,
-    EventMeta,
-    Family,
-    Histogram,
-    MetricsProjection,
-    Sample,
-    WorkTotals,
-)
+from .catalog import METRICS
+from .exposition import Family, Sample
+from .fold import EventMeta, MetricsProjection, WorkTotals
+from .histogram import Histogram
 from .retention import load_metrics_base
 from .steps import StepPublisher, StepSink
 
@@ -64,20 +60,6 @@ _COMMITTER_TRIM = COMMIT_HISTORY // 2
 _MAX_PENDING = 10_000
 
 Pairs = Sequence[tuple[int, RolloutEvent]]
-
-
-class MetricsSource(Protocol):
-    """Anything the exporter can render: a list of metric families, read on each scrape,
-    and the run they belong to (the ``run_id`` label of every series)."""
-
-    @property
-    def run_id(self) -> str | None:
-        """The run the families describe (None until known)."""
-        ...
-
-    def families(self) -> list[Family]:
-        """The metric families now."""
-        ...
 
 
 class LiveTimings:
@@ -191,7 +173,7 @@ class ProjectionFollower:
     def _domain_state_at(store: EventStoreProtocol, run_id: str, offset: int) -> RunState | None:
         """The domain state of the history leading to ``offset``, rebuilt by the domain's
         replay; None (logged) when it cannot be."""
-        from ..rollout_controller import replay
+        from ..rollout_history import replay
 
         try:
             state = replay(store, run_id, offset).state
@@ -273,36 +255,6 @@ class ProjectionFollower:
         return len(chunk)
 
 
-class _ClockTap:
-    """Wraps a controller's clock to remember the metadata the controller stamps on the
-    rows of the command being executed (the clock is read once per command, right
-    before the rows are built from the same state), keyed by the command's first offset:
-    the controller hands its events to listeners later, once they are durable."""
-
-    def __init__(self, controller: RolloutController) -> None:
-        self.controller = controller
-        self.inner = controller.clock
-        self._metas: dict[int, EventMeta] = {}
-        self._lock = threading.Lock()
-
-    def __call__(self) -> Any:
-        now = self.inner()
-        ctl = self.controller
-        state = ctl.state
-        meta = EventMeta(now, state.train_step, state.weight_version, ctl.epoch)
-        with self._lock:
-            self._metas[ctl.committer.next_seq] = meta
-            if len(self._metas) > _MAX_PENDING:  # commands that never became durable
-                for stale in sorted(self._metas)[: _MAX_PENDING // 2]:
-                    del self._metas[stale]
-        return now
-
-    def take(self, first_offset: int) -> EventMeta | None:
-        """The metadata of the command whose events start at ``first_offset`` (once)."""
-        with self._lock:
-            return self._metas.pop(first_offset, None)
-
-
 class LiveMetrics:
     """The metrics projection of a run, fed live by a controller's listener.
 
@@ -320,8 +272,7 @@ class LiveMetrics:
         self.timings = LiveTimings()
         self.controller: RolloutController | None = None
         self.runtime: RolloutRuntime | None = None
-        self._tap: _ClockTap | None = None
-        self._pending: dict[int, tuple[EventMeta | None, Pairs]] = {}
+        self._pending: dict[int, tuple[EventMeta, Pairs]] = {}
         self._pending_lock = threading.Lock()
         self._catching_up = False
         self._needs_sync = False
@@ -391,8 +342,6 @@ class LiveMetrics:
         self._checkpoint_seen = 0 if runtime is None else len(runtime.checkpoint_seconds)
         self._catching_up = True
         self._caught_up.clear()
-        self._tap = _ClockTap(controller)
-        controller.clock = self._tap
         controller.listeners.append(self._on_events)
         if background:
             threading.Thread(
@@ -425,11 +374,8 @@ class LiveMetrics:
             self._pull_timings()
         if self._on_events in ctl.listeners:
             ctl.listeners.remove(self._on_events)
-        if ctl.clock is self._tap and self._tap is not None:
-            ctl.clock = self._tap.inner
         self.controller = None
         self.runtime = None
-        self._tap = None
         with self._pending_lock:
             self._pending.clear()
 
@@ -460,13 +406,15 @@ class LiveMetrics:
             self._caught_up.set()
         self._drain()
 
-    def _on_events(self, applied: list[tuple[int, RolloutEvent]]) -> None:
+    def _on_events(self, recorded: RecordedEvents) -> None:
         try:
-            if not applied:
+            if not recorded.events:
                 return
-            meta = self._tap.take(applied[0][0]) if self._tap is not None else None
+            meta = EventMeta(
+                recorded.recorded_at, recorded.train_step, recorded.weight_version, recorded.epoch
+            )
             with self._pending_lock:
-                self._pending[applied[0][0]] = (meta, list(applied))
+                self._pending[recorded.first_offset] = (meta, list(recorded.pairs()))
                 overflow = len(self._pending) > _MAX_PENDING
             if overflow:
                 log.warning("metrics: events arrive with a gap; recomputing from the log")
@@ -498,9 +446,9 @@ class LiveMetrics:
                     if first > offset + 1:
                         break  # an earlier command's events have not arrived yet
                     del self._pending[first]
-                if meta is None or meta.epoch != self.follower.projection.epoch:
-                    # Executed without the clock tap (attached mid-command), or a new
-                    # epoch the projection has not switched to: read it back from the log.
+                if meta.epoch != self.follower.projection.epoch:
+                    # A new epoch the projection has not switched to: read it back from
+                    # the log.
                     self._needs_sync = True
                     break
                 for off, event in pairs:

@@ -60,7 +60,7 @@ def project_history(
     the base, or ``from_seq`` in ``2..base``: the metrics just before it are gone) raises
     :class:`~rolloutlog.eventstore.compaction.CompactedHistoryError`.
     """
-    from ..rollout_controller import iter_history
+    from ..rollout_history import iter_history
     from .live import ProjectionFollower
     from .retention import load_metrics_base
 

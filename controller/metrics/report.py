@@ -22,12 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from rolloutlog.eventstore import EventStoreProtocol
+from rolloutlog.eventstore.errors import RolloutlogError
 
 from ..domain.events import CODEC, GroupSelected, RunRestored, RunResumed, SiblingCompleted
 from .ranges import project_history
 
 
-class ReportError(RuntimeError):
+class ReportError(RolloutlogError, RuntimeError):
     """The report cannot be written (plotly missing, an empty run, ...)."""
 
 

@@ -34,6 +34,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from rolloutlog.eventstore.errors import RolloutlogError
+
 from .fold import MetricsProjection, StepRow
 
 #: A ``tensorboardX.proto.event_pb2.Event`` (tensorboardX is optional and untyped).
@@ -127,7 +129,7 @@ TENSORBOARD_MISSING = (
 )
 
 
-class TensorBoardUnavailableError(ImportError):
+class TensorBoardUnavailableError(RolloutlogError, ImportError):
     """tensorboardX is not installed (the ``tensorboard`` extra)."""
 
 

@@ -24,6 +24,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rolloutlog.eventstore.errors import RolloutlogError
+
 from .passes import PromptKey, prompt_at
 from .rewards import Reward, RewardConfig, RewardFailedError, RewardResult
 
@@ -36,7 +38,7 @@ _BUILDERS = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"
 _SUFFIXES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-class DatasetError(ValueError):
+class DatasetError(RolloutlogError, ValueError):
     """A dataset file or row that cannot become prompts (the message names it)."""
 
 
@@ -173,8 +175,8 @@ class PromptDataset:
         reward: the reward settings.
         tokenizer: the policy's tokenizer.
         tokenizer_fingerprint: a hash of the tokenizer's files (see
-            :func:`rolloutlog.grpo.model_loader.tokenizer_fingerprint`); default: a hash of
-            its vocabulary, special tokens and chat template.
+            :func:`rolloutlog.controller.backends.model_loader.tokenizer_fingerprint`);
+            default: a hash of its vocabulary, special tokens and chat template.
         rows: the rows, when already loaded (default: read ``config.path``).
     """
 

@@ -39,6 +39,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from rolloutlog.eventstore.errors import RolloutlogError
+
 RewardFn = Callable[..., float]
 OnError = Literal["drop_group", "zero"]
 
@@ -94,7 +96,7 @@ class RewardResult:
         return self.error is not None
 
 
-class RewardFailedError(Exception):
+class RewardFailedError(RolloutlogError):
     """Raised (under ``on_error: drop_group``) for a completion whose reward failed."""
 
 

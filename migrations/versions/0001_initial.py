@@ -12,7 +12,7 @@ from alembic import op
 
 revision = "0001_initial"
 down_revision = None
-branch_labels = None
+branch_labels = ("eventstore",)
 depends_on = None
 
 

@@ -82,6 +82,7 @@ from rolloutlog.controller.rollout_controller import (
 )
 from rolloutlog.controller.rollout_index import attach, encode_many
 from rolloutlog.eventstore import EventStore, NewEvent
+from rolloutlog.eventstore.errors import RolloutlogError
 
 from ._common import scratch_dir
 
@@ -98,7 +99,7 @@ DATASET_FINGERPRINT = "bench-domain-dataset"
 _ProgressFn = Callable[[str], None]
 
 
-class BenchmarkError(RuntimeError):
+class BenchmarkError(RolloutlogError, RuntimeError):
     """A benchmark's state is not what it was meant to be (a bug, never a slow result)."""
 
 

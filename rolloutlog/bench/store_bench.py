@@ -64,6 +64,7 @@ from rolloutlog.eventstore import (
     NewEvent,
     open_committer,
 )
+from rolloutlog.eventstore.errors import RolloutlogError
 from rolloutlog.eventstore.groupcommit import CommitWriter
 from rolloutlog.eventstore.schema import events as events_table
 from rolloutlog.eventstore.store import (
@@ -93,7 +94,7 @@ _T0 = datetime(2026, 1, 1, tzinfo=UTC)
 _ProgressFn = Callable[[str], None]
 
 
-class BenchmarkError(RuntimeError):
+class BenchmarkError(RolloutlogError, RuntimeError):
     """A system read back something other than what was written."""
 
 

@@ -6,6 +6,9 @@ import importlib.util
 
 import click
 
+# The logs the CLI opens are rollout logs: their schema includes the rollout index's
+# branch, registered by importing its module.
+from rolloutlog.controller import rollout_index as _rollout_index  # noqa: F401
 from rolloutlog.eventstore import EventStore, StoreError
 
 

@@ -24,6 +24,8 @@ from alembic.script import ScriptDirectory
 from alembic.util import CommandError
 from sqlalchemy.engine import Connection, Engine
 
+# `db` creates, checks and upgrades the rollout index's branch with the store's tables.
+from rolloutlog.controller import rollout_index as _rollout_index  # noqa: F401
 from rolloutlog.controller.sql_audit import DEFAULT_TIMEOUT_S, log_schema, role_problems
 from rolloutlog.eventstore import migrate
 from rolloutlog.eventstore.errors import SchemaMismatchError, StoreError

@@ -238,7 +238,7 @@ def run(config: Path, run_id: str | None, resume: bool, as_json: bool) -> None:
                 "go on); nothing was written"
             )
         return
-    from rolloutlog.controller.workloads.run import run_summary
+    from rolloutlog.grpo.workload import run_summary
 
     summary = run_summary(cfg, rid, result.workload, stopped=result.stopped)
     if as_json:

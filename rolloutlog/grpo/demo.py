@@ -42,13 +42,14 @@ from rolloutlog.controller.prompt_ledger import build_ledger, cross_check
 from rolloutlog.controller.rollout_controller import replay
 from rolloutlog.controller.rollout_index import read_indexed
 from rolloutlog.eventstore import EventStore
+from rolloutlog.eventstore.errors import RolloutlogError
 
 from .run_config import RunConfig
 
 _ERROR_LINE = re.compile(r"\b[A-Z]\w*(?:Error|Exception): \S.*$")
 
 
-class DemoError(RuntimeError):
+class DemoError(RolloutlogError, RuntimeError):
     """The demo could not complete (a worker failed); the message says where."""
 
 
@@ -249,7 +250,7 @@ def _launch_engines(cfg: RunConfig) -> tuple[RunConfig, Any]:
 
     from rolloutlog.controller.engines.config import LaunchConfig
     from rolloutlog.controller.engines.local import LocalEngineLauncher
-    from rolloutlog.controller.workloads.run import prepare_model_dir
+    from rolloutlog.grpo.workload import prepare_model_dir
 
     model_dir = prepare_model_dir(cfg.model)
     count = cfg.fleet.engines

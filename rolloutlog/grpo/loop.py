@@ -20,15 +20,15 @@ from typing import Any
 import torch
 
 from rolloutlog.controller.backends.base import GenerationBackend
+from rolloutlog.controller.backends.model_loader import load_causal_lm
 from rolloutlog.controller.domain.errors import RestoreError
 from rolloutlog.controller.rollout_controller import RecoveryReport, RolloutController
 from rolloutlog.controller.rollout_runtime import DataExhaustedError, RolloutRuntime
 from rolloutlog.controller.workloads.dataset import PromptDataset
-from rolloutlog.controller.workloads.run import check_model_fits, dataset_prompts, prepare_model_dir
 from rolloutlog.eventstore import EpochFencedError, EventStore
+from rolloutlog.grpo.workload import check_model_fits, dataset_prompts, prepare_model_dir
 
 from .fake_fleet import InProcessFakeFleet
-from .model_loader import load_causal_lm
 from .run_config import BackendKind, RunConfig
 from .toy_task import ToyTask
 from .trainer import GRPOTrainer, TrainSample

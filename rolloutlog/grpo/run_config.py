@@ -16,8 +16,8 @@ from rolloutlog.controller.config import (
     RolloutConfig,
     StoreConfig,
     TelemetryConfig,
-    load_yaml,
 )
+from rolloutlog.controller.config_loading import load_yaml
 from rolloutlog.controller.rollout_runtime import GenerationConfig
 from rolloutlog.controller.workloads.dataset import DatasetConfig
 from rolloutlog.controller.workloads.rewards import RewardConfig

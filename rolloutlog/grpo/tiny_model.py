@@ -191,8 +191,9 @@ def load_policy(model_dir: Path | str) -> tuple[PreTrainedModel, PreTrainedToken
     """Load the policy (float32, eval mode) and its tokenizer from a local directory.
 
     Kept for callers of the tiny model; it is the generic
-    :func:`rolloutlog.grpo.model_loader.load_causal_lm`, so any causal LM directory works.
+    :func:`rolloutlog.controller.backends.model_loader.load_causal_lm`, so any causal LM
+    directory works.
     """
-    from rolloutlog.grpo.model_loader import load_causal_lm
+    from rolloutlog.controller.backends.model_loader import load_causal_lm
 
     return load_causal_lm(model_dir, dtype=torch.float32)

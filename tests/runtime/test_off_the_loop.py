@@ -12,9 +12,9 @@ from test_runtime_rules import WEIGHTS, _Prompts, _start, _train
 from rolloutlog.controller.backends.deterministic_backend import DeterministicBackend
 from rolloutlog.controller.config import RolloutConfig, StoreConfig
 from rolloutlog.controller.domain import AdmitStep, DispatchSiblings, Phase
-from rolloutlog.controller.rollout_controller import RolloutController, decode_snapshot
+from rolloutlog.controller.rollout_controller import RolloutController
 from rolloutlog.controller.rollout_runtime import GenerationConfig, RolloutRuntime
-from rolloutlog.controller.snapshot_encoder import encode_snapshot
+from rolloutlog.controller.snapshot_encoder import decode_snapshot, encode_snapshot
 from rolloutlog.eventstore import EventStore
 
 

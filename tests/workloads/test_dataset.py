@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from rolloutlog.controller.backends.model_loader import load_causal_lm, tokenizer_fingerprint
 from rolloutlog.controller.workloads.arith import generate_arith
 from rolloutlog.controller.workloads.dataset import DatasetConfig, DatasetError, PromptDataset
 from rolloutlog.controller.workloads.rewards import RewardConfig, RewardFailedError
-from rolloutlog.grpo.model_loader import load_causal_lm, tokenizer_fingerprint
 
 from .conftest import write_jsonl
 

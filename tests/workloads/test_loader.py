@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 
 from rolloutlog.controller.backends.base import GroupRequest, SamplingConfig, SiblingSpec
-from rolloutlog.controller.backends.torch_backend import TorchBackend
-from rolloutlog.controller.workloads.run import prepare_model_dir
-from rolloutlog.grpo.model_loader import (
+from rolloutlog.controller.backends.model_loader import (
     ModelDirError,
     check_model_dir,
     load_causal_lm,
     tokenizer_fingerprint,
 )
+from rolloutlog.controller.backends.torch_backend import TorchBackend
 from rolloutlog.grpo.run_config import ModelConfig
 from rolloutlog.grpo.trainer import GRPOConfig, GRPOTrainer, TrainSample
+from rolloutlog.grpo.workload import prepare_model_dir
 
 
 def _request(prompt: list[int]) -> GroupRequest:

@@ -169,7 +169,7 @@ def test_running_out_of_data_ends_the_run_cleanly_with_a_message(
     assert "the data ran out before step" in result.stopped
     assert "11 prompts of 2 pass(es)" in result.stopped
     assert 0 < result.steps_trained < 11
-    from rolloutlog.controller.workloads.run import run_summary
+    from rolloutlog.grpo.workload import run_summary
 
     summary = run_summary(cfg, RUN, result.workload, stopped=result.stopped)
     assert summary["stopped"] == result.stopped

@@ -25,10 +25,10 @@ import pytest
 from rolloutlog.controller.domain.events import RunStarted
 from rolloutlog.controller.prompt_ledger import build_ledger
 from rolloutlog.controller.rollout_controller import iter_history
-from rolloutlog.controller.workloads.run import run_summary
 from rolloutlog.eventstore import EventStore
 from rolloutlog.grpo.loop import run_training
 from rolloutlog.grpo.run_config import RunConfig
+from rolloutlog.grpo.workload import run_summary
 
 RUN = "two-passes"
 SIZE = 24

@@ -9,12 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from rolloutlog.controller.backends.model_loader import check_model_dir, tokenizer_fingerprint
 from rolloutlog.controller.config import ConfigError
 from rolloutlog.controller.workloads.dataset import DatasetError, PromptDataset
 from rolloutlog.controller.workloads.rewards import RewardConfig
-from rolloutlog.grpo.model_loader import check_model_dir, tokenizer_fingerprint
-from rolloutlog.grpo.run_config import ModelConfig, RunConfig
-from rolloutlog.grpo.tiny_model import SPEC_MARKER, TinyModelSpec, build_tiny_model
+
+from .run_config import ModelConfig, RunConfig
+from .tiny_model import SPEC_MARKER, TinyModelSpec, build_tiny_model
 
 
 def prepare_model_dir(model: ModelConfig) -> Path:

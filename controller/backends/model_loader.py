@@ -22,6 +22,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from rolloutlog.eventstore.errors import RolloutlogError
+
 #: Files that make up a tokenizer, whichever of them a given tokenizer ships.
 TOKENIZER_FILES: tuple[str, ...] = (
     "tokenizer.json",
@@ -38,7 +40,7 @@ TOKENIZER_FILES: tuple[str, ...] = (
 )
 
 
-class ModelDirError(ValueError):
+class ModelDirError(RolloutlogError, ValueError):
     """A model directory that cannot be loaded (missing, incomplete, or not a causal LM)."""
 
 
