@@ -79,12 +79,13 @@ class StoreConfig(BaseModel):
     )
     group_commit_max_batch: int = Field(2000, ge=1, description="Most events per transaction.")
     commit_writer: Literal["auto", "thread", "process"] = Field(
-        "auto",
-        description="Where appends run: in a writer process of their own (its own "
+        "thread",
+        description="Where appends run: on the group committer's thread in this process "
+        "(the default), or, opted in, in a writer process of their own (its own "
         "connection, on another core; this process only serialises each command, so a "
-        "busy event loop or trainer neither slows commits nor is slowed by them), or on "
-        "the group committer's thread in this process. auto: the process wherever the log "
-        "is a database file or server, the thread for the in-memory store.",
+        "busy event loop or trainer neither slows commits nor is slowed by them; POSIX "
+        "only). auto: the process wherever the log is a database file or server, the "
+        "thread for the in-memory store.",
     )
     writer_start_timeout_s: float = Field(
         60.0,
