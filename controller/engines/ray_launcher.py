@@ -11,7 +11,10 @@ the engines exactly as to any other engine; Ray only places and supervises them.
 
 Locally: ``ray.init(num_cpus=2, object_store_memory=200 MiB, include_dashboard=False)``
 (the object store is otherwise capped by a container's small ``/dev/shm``), and
-``RAY_AUTH_MODE=disabled`` (Ray 2.60 turns token auth on by default).
+``RAY_AUTH_MODE=disabled`` for the Ray processes it starts (Ray 2.60 turns token auth on
+by default). Ray reads that variable from this process's environment while ``ray.init``
+starts the head node, and would otherwise write ``token`` there itself, so it is set for
+the duration of that call only and the environment is given back as it was found.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from rolloutlog.controller.engines.config import LaunchConfig
@@ -87,6 +92,28 @@ class _EngineActorImpl:
         return stop_group(self.proc.pid, self.config.stop_timeout_s)
 
 
+_ENV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _environment(defaults: dict[str, str]) -> Iterator[None]:
+    """``defaults`` (where the process has no value of its own) in ``os.environ`` for the
+    duration of the block, for the children started in it; afterwards every variable is
+    what it was before, including one the block's callee wrote itself."""
+    with _ENV_LOCK:
+        saved = {name: os.environ.get(name) for name in defaults}
+        try:
+            for name, value in defaults.items():
+                os.environ.setdefault(name, value)
+            yield
+        finally:
+            for name, before in saved.items():
+                if before is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = before
+
+
 def _node_ip() -> str:
     try:
         import ray
@@ -115,13 +142,13 @@ class RayEngineLauncher:
         if self.config.ray_address:
             ray.init(address=self.config.ray_address)
         else:
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-            ray.init(
-                num_cpus=2,
-                object_store_memory=200 * 1024 * 1024,
-                include_dashboard=False,
-                log_to_driver=False,
-            )
+            with _environment({"RAY_AUTH_MODE": "disabled"}):
+                ray.init(
+                    num_cpus=2,
+                    object_store_memory=200 * 1024 * 1024,
+                    include_dashboard=False,
+                    log_to_driver=False,
+                )
             self._ray_started_here = True
 
     def start(self) -> list[str]:

@@ -5,18 +5,20 @@ prompt ``index`` is the ``index``-th row kept from the file (rows refused as too
 kept), tokenized once up front; ``reward`` decodes a completion and scores it with the
 configured :class:`~rolloutlog.controller.workloads.rewards.Reward`.
 
-Only local files are read: ``HF_DATASETS_OFFLINE=1`` is set before ``datasets`` is
-imported, and the path must exist. The fingerprint covers the file's bytes, every
-dataset setting that shapes prompts (field, template, chat template, length policy),
-the tokenizer and the reward, so a log written for other prompts or another reward is
-refused on restore.
+Only local files are read, through the file-format readers of ``datasets``
+(``Dataset.from_json`` and its kin), which never resolve a name on a hub; the path must
+exist. Nothing of the process is changed (no environment variable, no progress-bar or
+logging setting): ``datasets`` shows its progress bars as its user configured them.
+The fingerprint covers the file's bytes, every dataset setting that shapes prompts
+(field, template, chat template, length policy), the tokenizer and the reward, so a log
+written for other prompts or another reward is refused on restore.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -148,7 +150,6 @@ def load_rows(config: DatasetConfig) -> list[dict[str, Any]]:
     path = Path(config.path)
     if not path.is_file():
         raise DatasetError(f"dataset file {path} does not exist")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # never reach for a hub
     try:
         import datasets
     except ImportError as exc:  # an optional extra: say how to get it
@@ -156,15 +157,37 @@ def load_rows(config: DatasetConfig) -> list[dict[str, Any]]:
             f"reading {path} needs the datasets library: pip install 'rolloutlog[data]'"
         ) from exc
 
-    datasets.disable_progress_bars()
-    builder = _BUILDERS[config.resolved_format()]
+    # The format's own reader, not load_dataset: no name is looked up on a hub, so no
+    # offline switch of the process is needed.
+    reader = getattr(datasets.Dataset, f"from_{_BUILDERS[config.resolved_format()]}")
+    threads_before = {t.ident for t in threading.enumerate()}
     try:
-        ds = datasets.load_dataset(builder, data_files=str(path), split="train")
+        ds = reader(str(path), split="train")
     except Exception as exc:  # the library's errors vary by format; name the file
         raise DatasetError(
             f"cannot read {path} as {config.resolved_format()}: {type(exc).__name__}: {exc}"
         ) from exc
+    finally:
+        _stop_new_tqdm_monitors(threads_before)
     return [dict(row) for row in ds]
+
+
+def _stop_new_tqdm_monitors(threads_before: set[int | None]) -> None:
+    """Stop a tqdm monitor thread the read started, once no bar of its class is left.
+
+    tqdm starts that thread with the first progress bar of a process and never stops
+    it; the loader must not leave a thread behind that was not there before it ran.
+    """
+    for thread in threading.enumerate():
+        bars = getattr(thread, "tqdm_cls", None)
+        if thread.ident in threads_before or bars is None or not hasattr(thread, "exit"):
+            continue
+        with bars.get_lock():
+            if bars._instances:
+                continue  # a bar of someone else's is still shown
+            if getattr(bars, "monitor", None) is thread:
+                bars.monitor = None
+        thread.exit()
 
 
 class PromptDataset:

@@ -195,6 +195,9 @@ def run(config: Path, run_id: str | None, resume: bool, as_json: bool) -> None:
         raise click.ClickException(str(exc)) from exc
     if cfg.backend == "vllm":
         require_extra("vllm", "rolloutlog run with backend vllm")
+        from rolloutlog.grpo.loop import vllm_cpu_env
+
+        vllm_cpu_env()  # this command's own process: the in-process engine inherits it
     rid = run_id or cfg.run_id or f"run-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}"
     url = cfg.store.url
     if url.startswith("sqlite:///"):

