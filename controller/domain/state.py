@@ -382,10 +382,14 @@ _SIBLING_KEYS: tuple[str, ...] = SiblingState._fields
 def group_plain(group: GroupState) -> dict[str, Any]:
     """A group as its snapshot stores it: the fields, and ``siblings`` as a list of
     dicts of :class:`SiblingState`'s fields (the format from before siblings were rows)."""
-    data = {
-        name: getattr(group, name) for name in _field_names(GroupState) if name != "sibling_rows"
-    }
-    data["siblings"] = [dict(zip(_SIBLING_KEYS, row, strict=True)) for row in group.sibling_rows]
+    data: dict[str, Any] = {}
+    for name in _field_names(GroupState):
+        if name == "sibling_rows":
+            data["siblings"] = [
+                dict(zip(_SIBLING_KEYS, row, strict=True)) for row in group.sibling_rows
+            ]
+        else:
+            data[name] = getattr(group, name)
     return data
 
 
