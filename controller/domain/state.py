@@ -50,6 +50,7 @@ _VALUE: dict[str, str] = {s: s.value for s in SiblingStatus}
 _PENDING = SiblingStatus.PENDING.value
 _IN_FLIGHT = SiblingStatus.IN_FLIGHT.value
 _DONE = SiblingStatus.DONE.value
+_new_tuple = tuple.__new__
 #: A sibling never dispatched.
 NEW_SIBLING_ROW: SiblingRow = (0, _PENDING, None, 0, 0, None, None, False)
 
@@ -70,7 +71,9 @@ class SiblingState(NamedTuple):
     def from_row(cls, row: SiblingRow) -> SiblingState:
         """The view of a stored row."""
         a, status, w, f, c, r, p, s = row
-        return cls(a, _STATUS[status], w, f, c, r, p, s)
+        # tuple.__new__ directly: a view is made per sibling read, and the generated
+        # __new__ (a Python function) would double its cost.
+        return _new_tuple(cls, (a, _STATUS[status], w, f, c, r, p, s))
 
     def row(self) -> SiblingRow:
         """The row the state stores for this sibling."""
