@@ -85,11 +85,7 @@ def decide_resume(state: RunState, cmd: Resume) -> list[RolloutEvent]:
     if cmd.epoch <= state.epoch:
         raise RestoreError(f"resume must open a newer epoch than {state.epoch}, not {cmd.epoch}")
     rerun = sum(
-        1
-        for g in state.groups.values()
-        if g.phase is Phase.ADMITTED
-        for s in g.siblings
-        if s.status is SiblingStatus.IN_FLIGHT
+        g.count(SiblingStatus.IN_FLIGHT) for g in state.groups.values() if g.phase is Phase.ADMITTED
     )
     return [RunResumed(epoch=cmd.epoch, siblings_rerun=rerun)]
 
@@ -106,6 +102,8 @@ def decide_evict_stale(state: RunState, reason: str) -> list[RolloutEvent]:
 
 
 def _reset_in_flight(group: GroupState, *, all_siblings: bool) -> None:
+    if not all_siblings and not group.count(SiblingStatus.IN_FLIGHT):
+        return  # most groups of a large buffer: nothing to replace, no view to make
     for i, s in enumerate(group.siblings):
         if all_siblings or s.status is SiblingStatus.IN_FLIGHT:
             # Keep attempt and failure counts: fencing and retry limits carry over.

@@ -48,7 +48,6 @@ _STATUS: dict[str, SiblingStatus] = {s.value: s for s in SiblingStatus}
 #: A status's value, looked up by the member or by the value itself.
 _VALUE: dict[str, str] = {s: s.value for s in SiblingStatus}
 _PENDING = SiblingStatus.PENDING.value
-_IN_FLIGHT = SiblingStatus.IN_FLIGHT.value
 _DONE = SiblingStatus.DONE.value
 _new_tuple = tuple.__new__
 #: A sibling never dispatched.

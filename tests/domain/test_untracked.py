@@ -144,6 +144,9 @@ def test_a_sibling_is_read_as_a_view_with_enum_status() -> None:
     assert g.sibling_rows[0] is NEW_SIBLING_ROW  # unchanged rows are shared, not copied
     with pytest.raises(AttributeError):
         g.siblings[1].status = SiblingStatus.DONE  # type: ignore[misc]
+    made = GroupState.new(7, 7, None, Phase.SPARE, [SiblingState(), g.sibling(1)], data_pass=1)
+    assert made.sibling_rows == (NEW_SIBLING_ROW, g.sibling_rows[1]) and made.data_pass == 1
+    assert_siblings_untracked(RunState(groups={7: made}))
     with pytest.raises(ValueError, match="'lost' is not a valid SiblingStatus"):
         SiblingState(status="lost").row()  # type: ignore[arg-type]
 
