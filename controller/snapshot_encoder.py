@@ -23,8 +23,7 @@ import zlib
 from collections.abc import Callable, Iterable
 
 from .domain.events import RolloutEvent, RunRestored, RunResumed
-from .domain.state import GroupState, RunState, _as_plain
-from .domain.untracked import untrack
+from .domain.state import GroupState, RunState, group_plain
 
 #: Events whose evolve changes every live group (a new epoch resets in-flight siblings).
 GROUP_WIDE_EVENTS: tuple[type[RolloutEvent], ...] = (RunRestored, RunResumed)
@@ -45,19 +44,18 @@ def decode_snapshot(data: bytes) -> RunState:
 
 
 def _group_json(group: GroupState) -> str:
-    return json.dumps(_as_plain(group), sort_keys=True, separators=_SEPARATORS)
+    return json.dumps(group_plain(group), sort_keys=True, separators=_SEPARATORS)
 
 
 class SnapshotEncoder:
     """Keeps the JSON of every live group of one state fresh, a slice at a time."""
 
     def __init__(self) -> None:
-        # Ids to texts: CPython never tracks a dict of atoms. A set always is tracked, so
-        # the set of ids is untracked here and when replaced (it holds only ints, never a
-        # cycle), and a full collection does not visit one entry per group (untracked.py).
+        # Ids to texts, and the ids to re-encode (a dict used as an ordered set): CPython
+        # never tracks a dict of atoms (a set it always does), so a full collection does
+        # not visit one entry per group.
         self._texts: dict[int, str] = {}
-        self._dirty: set[int] = set()
-        untrack(self._dirty)
+        self._dirty: dict[int, None] = {}
         self._all_dirty = True  # nothing encoded yet
 
     def touched(self, events: Iterable[RolloutEvent]) -> None:
@@ -68,21 +66,20 @@ class SnapshotEncoder:
                 continue
             group_id = event.audit_keys().group_id
             if group_id is not None:
-                self._dirty.add(group_id)
+                self._dirty[group_id] = None
 
     def refresh(self, state: RunState, slice_s: float | None = None) -> bool:
         """Re-encode touched groups for at most ``slice_s`` seconds (None: all of them),
         and at least 32 of them (so a zero slice still progresses); True when every live
         group's JSON is current."""
         if self._all_dirty:
-            self._dirty = set(state.groups)
-            untrack(self._dirty)
+            self._dirty = dict.fromkeys(state.groups)
             self._all_dirty = False
         deadline = None if slice_s is None else time.perf_counter() + slice_s
         dirty, texts, groups = self._dirty, self._texts, state.groups
         done = 0
         while dirty:
-            group_id = dirty.pop()
+            group_id, _ = dirty.popitem()
             group = groups.get(group_id)
             if group is None:
                 texts.pop(group_id, None)
@@ -101,8 +98,8 @@ class SnapshotEncoder:
         if self._all_dirty or self._dirty:
             raise RuntimeError("refresh() the encoder until it returns True before cut()")
         texts = self._texts
-        group_texts = [texts[group_id] for group_id in state.groups]
-        untrack(group_texts)
+        # A tuple of strings: CPython untracks it at the first collection that sees it.
+        group_texts = tuple([texts[group_id] for group_id in state.groups])
         if len(texts) > 2 * len(group_texts) + 1024:  # forget groups that left the state
             self._texts = {group_id: texts[group_id] for group_id in state.groups}
         head = state.to_snapshot(groups=False)

@@ -197,7 +197,16 @@ def _asdict_reference(state: RunState) -> dict[str, Any]:
     """``RunState.to_snapshot`` as first written (dataclasses.asdict), for comparison."""
     data = asdict(state)
     data["config"] = state.config.model_dump() if state.config else None
-    data["groups"] = [asdict(g) for g in state.groups.values()]
+    # A group's siblings as they were stored before rows: a list of dicts, in its place.
+    data["groups"] = [
+        {
+            ("siblings" if k == "sibling_rows" else k): (
+                [s._asdict() for s in g.siblings] if k == "sibling_rows" else v
+            )
+            for k, v in asdict(g).items()
+        }
+        for g in state.groups.values()
+    ]
     data["loans"] = [asdict(loan) for loan in state.loans.values()]
     data["engines"] = [asdict(engine) for engine in state.engines.values()]
     data["quotas"] = [[k, v] for k, v in state.quotas.items()]

@@ -17,7 +17,7 @@ from .events import (
     SparePulled,
     StepAdmitted,
 )
-from .state import GroupState, Phase, RunState, SiblingState
+from .state import NEW_SIBLING_ROW, GroupState, Phase, RunState
 
 # ---------------------------------------------------------------- decide
 
@@ -152,7 +152,7 @@ def _new_group(state: RunState, group_id: int, prompt_index: int, data_pass: int
         data_pass=data_pass,
         target_step=None,
         phase=Phase.SPARE,
-        siblings=[SiblingState() for _ in range(state.rules.group_size)],
+        sibling_rows=(NEW_SIBLING_ROW,) * state.rules.group_size,
     )
 
 
@@ -193,13 +193,13 @@ def evolve_group_admitted(state: RunState, ev: GroupAdmitted) -> None:
     group = _new_group(state, ev.group_id, ev.prompt_index, ev.data_pass)
     group.target_step = ev.target_step
     group.phase = Phase.ADMITTED
-    state.add_group(group)
+    state.groups[group.group_id] = group
 
 
 def evolve_spare_pulled(state: RunState, ev: SparePulled) -> None:
     """A new group in the spare pool."""
     group = _new_group(state, ev.group_id, ev.prompt_index, ev.data_pass)
-    state.add_group(group)
+    state.groups[group.group_id] = group
     state.spares.append(group.group_id)
 
 

@@ -19,7 +19,7 @@ from .events import (
     SparePulled,
     VacateOutcome,
 )
-from .state import GroupState, Loan, Phase, RunState, SiblingStatus
+from .state import GroupState, Loan, Phase, RunState
 
 # ---------------------------------------------------------------- planning (decide side)
 
@@ -217,16 +217,15 @@ def evolve_group_committed(state: RunState, ev: GroupCommitted) -> None:
         raise IllegalTransitionError(
             f"group {ev.group_id} committed from phase {group.phase.value}, not admitted"
         )
-    if any(s.status is not SiblingStatus.DONE for s in group.siblings):
+    if group.done_count() != group.size:
         raise IllegalTransitionError(
-            f"group {ev.group_id} committed with {group.done_count()} of "
-            f"{len(group.siblings)} siblings done"
+            f"group {ev.group_id} committed with {group.done_count()} of {group.size} siblings done"
         )
     group.phase = Phase.READY
     state.counters.groups_committed += 1
     group.ready_order = state.counters.groups_committed
     state.ready[group.group_id] = None
-    state.counters.tokens_committed += sum(s.completion_tokens for s in group.siblings)
+    state.counters.tokens_committed += sum(row[4] for row in group.sibling_rows)
 
 
 def _remove(state: RunState, group: GroupState, outcome: VacateOutcome, reason: str) -> None:

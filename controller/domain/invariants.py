@@ -186,15 +186,15 @@ def _siblings(state: RunState) -> list[InvariantViolation]:
     out: list[InvariantViolation] = []
     size = state.rules.group_size
     for g in state.groups.values():
-        if len(g.siblings) != size:
+        if g.size != size:
             out.append(
                 SiblingAccountingError(
-                    f"group {g.group_id} has {len(g.siblings)} siblings, not {size}",
+                    f"group {g.group_id} has {g.size} siblings, not {size}",
                     groups=(g.group_id,),
                 )
             )
         done = g.done_count()
-        all_done = done == len(g.siblings)
+        all_done = done == g.size
         if g.phase in (Phase.READY, Phase.SELECTED) and not all_done:
             out.append(
                 SiblingAccountingError(

@@ -31,9 +31,7 @@ def decide_restore(state: RunState, cmd: Restore) -> list[RolloutEvent]:
     admitted = [g for g in state.groups.values() if g.phase is Phase.ADMITTED]
     complete = sum(1 for g in state.groups.values() if g.phase in (Phase.READY, Phase.SELECTED))
     reused = 0 if by_group else sum(g.done_count() for g in admitted)
-    to_run = sum(
-        len(g.siblings) if by_group else len(g.siblings) - g.done_count() for g in admitted
-    )
+    to_run = sum(g.size if by_group else g.size - g.done_count() for g in admitted)
     salvage_events = [] if by_group or cmd.mode == "strict" else _salvage(state, cmd)
     salvaged = sum(1 for e in salvage_events if isinstance(e, SiblingCompleted))
     head = RunRestored(
@@ -61,9 +59,9 @@ def _salvage(state: RunState, cmd: Restore) -> list[RolloutEvent]:
         group = state.groups.get(c.group_id)
         if group is None or group.phase is not Phase.ADMITTED:
             continue
-        if not 0 <= c.sibling < len(group.siblings):
+        if not 0 <= c.sibling < group.size:
             continue
-        if group.siblings[c.sibling].status is SiblingStatus.DONE:
+        if group.sibling(c.sibling).status is SiblingStatus.DONE:
             continue
         if c.weight_version > state.weight_version or c.completion_tokens < 1:
             continue
@@ -87,11 +85,7 @@ def decide_resume(state: RunState, cmd: Resume) -> list[RolloutEvent]:
     if cmd.epoch <= state.epoch:
         raise RestoreError(f"resume must open a newer epoch than {state.epoch}, not {cmd.epoch}")
     rerun = sum(
-        1
-        for g in state.groups.values()
-        if g.phase is Phase.ADMITTED
-        for s in g.siblings
-        if s.status is SiblingStatus.IN_FLIGHT
+        g.count(SiblingStatus.IN_FLIGHT) for g in state.groups.values() if g.phase is Phase.ADMITTED
     )
     return [RunResumed(epoch=cmd.epoch, siblings_rerun=rerun)]
 
@@ -108,10 +102,12 @@ def decide_evict_stale(state: RunState, reason: str) -> list[RolloutEvent]:
 
 
 def _reset_in_flight(group: GroupState, *, all_siblings: bool) -> None:
+    if not all_siblings and not group.count(SiblingStatus.IN_FLIGHT):
+        return  # most groups of a large buffer: nothing to replace, no view to make
     for i, s in enumerate(group.siblings):
         if all_siblings or s.status is SiblingStatus.IN_FLIGHT:
             # Keep attempt and failure counts: fencing and retry limits carry over.
-            group.siblings[i] = SiblingState(attempt=s.attempt, failures=s.failures)
+            group.set_sibling(i, SiblingState(attempt=s.attempt, failures=s.failures))
 
 
 def _new_epoch(state: RunState, epoch: int) -> None:

@@ -33,11 +33,11 @@ def _group(state: RunState, group_id: int) -> GroupState:
 
 
 def _sibling(state: RunState, group: GroupState, sibling: int) -> SiblingState:
-    if not 0 <= sibling < len(group.siblings):
+    if not 0 <= sibling < group.size:
         raise IllegalTransitionError(
-            f"group {group.group_id} has siblings 0..{len(group.siblings) - 1}, not {sibling}"
+            f"group {group.group_id} has siblings 0..{group.size - 1}, not {sibling}"
         )
-    return group.siblings[sibling]
+    return group.sibling(sibling)
 
 
 def _in_flight(state: RunState, group_id: int, sibling: int, attempt: int) -> SiblingState:
@@ -123,11 +123,11 @@ def commit_if_complete(
     """GroupCommitted if every sibling is done once ``extra_done`` (sibling -> version) are."""
     group = state.groups[group_id]
     versions: list[int] = []
-    for i, s in enumerate(group.siblings):
+    for i, s in enumerate(group.sibling_rows):
         if i in extra_done:
             versions.append(extra_done[i])
-        elif s.status is SiblingStatus.DONE and s.weight_version is not None:
-            versions.append(s.weight_version)
+        elif s[1] == SiblingStatus.DONE.value and s[2] is not None:
+            versions.append(s[2])
         else:
             return []
     assert group.target_step is not None
@@ -183,31 +183,38 @@ def decide_abort(state: RunState, cmd: AbortSibling) -> list[RolloutEvent]:
 # ---------------------------------------------------------------- evolve
 
 
-def _evolve_target(state: RunState, group_id: int, sibling: int, what: str) -> SiblingState:
+def _evolve_target(
+    state: RunState, group_id: int, sibling: int, what: str
+) -> tuple[GroupState, SiblingState]:
     group = state.groups.get(group_id)
-    if group is None or not 0 <= sibling < len(group.siblings):
+    if group is None or not 0 <= sibling < group.size:
         raise UnknownReferenceError(
             f"{what} names unknown group {group_id} sibling {sibling}", groups=(group_id,)
         )
-    return group.siblings[sibling]
+    return group, group.sibling(sibling)
 
 
 def evolve_dispatched(state: RunState, ev: SiblingDispatched) -> None:
     """The sibling is in flight with a new attempt number."""
-    sib = _evolve_target(state, ev.group_id, ev.sibling, "SiblingDispatched")
+    group, sib = _evolve_target(state, ev.group_id, ev.sibling, "SiblingDispatched")
     if ev.attempt <= sib.attempt or sib.status is not SiblingStatus.PENDING:
         raise IllegalTransitionError(
             f"group {ev.group_id} sibling {ev.sibling}: dispatch of attempt {ev.attempt} while "
             f"attempt {sib.attempt} is {sib.status.value}"
         )
-    sib.attempt = ev.attempt
-    sib.status = SiblingStatus.IN_FLIGHT
-    sib.weight_version = ev.weight_version
+    group.set_sibling(
+        ev.sibling,
+        sib._replace(
+            attempt=ev.attempt,
+            status=SiblingStatus.IN_FLIGHT,
+            weight_version=ev.weight_version,
+        ),
+    )
 
 
 def evolve_completed(state: RunState, ev: SiblingCompleted) -> None:
     """The sibling is done (a salvaged completion may come from a later attempt)."""
-    sib = _evolve_target(state, ev.group_id, ev.sibling, "SiblingCompleted")
+    group, sib = _evolve_target(state, ev.group_id, ev.sibling, "SiblingCompleted")
     if ev.salvaged_from is None:
         if ev.attempt != sib.attempt or sib.status is not SiblingStatus.IN_FLIGHT:
             raise SiblingAccountingError(
@@ -220,43 +227,53 @@ def evolve_completed(state: RunState, ev: SiblingCompleted) -> None:
             f"group {ev.group_id} sibling {ev.sibling} salvaged but already done",
             groups=(ev.group_id,),
         )
-    sib.attempt = max(sib.attempt, ev.attempt)
-    sib.status = SiblingStatus.DONE
-    sib.weight_version = ev.weight_version
-    sib.completion_tokens = ev.completion_tokens
-    sib.reward = ev.reward
-    sib.payload_id = ev.payload_id
-    sib.salvaged = ev.salvaged_from is not None
+    salvaged = ev.salvaged_from is not None
+    group.set_sibling(
+        ev.sibling,
+        sib._replace(
+            attempt=max(sib.attempt, ev.attempt),
+            status=SiblingStatus.DONE,
+            weight_version=ev.weight_version,
+            completion_tokens=ev.completion_tokens,
+            reward=ev.reward,
+            payload_id=ev.payload_id,
+            salvaged=salvaged,
+        ),
+    )
     state.counters.siblings_completed += 1
     state.counters.tokens_generated += ev.completion_tokens
-    if sib.salvaged:
+    if salvaged:
         state.counters.siblings_salvaged += 1
 
 
 def _back_to_pending(
-    state: RunState, group_id: int, sibling: int, attempt: int, what: str
-) -> SiblingState:
-    sib = _evolve_target(state, group_id, sibling, what)
+    state: RunState, group_id: int, sibling: int, attempt: int, what: str, *, failed: bool
+) -> None:
+    group, sib = _evolve_target(state, group_id, sibling, what)
     if attempt != sib.attempt or sib.status is not SiblingStatus.IN_FLIGHT:
         raise IllegalTransitionError(
             f"group {group_id} sibling {sibling}: {what} of attempt {attempt} while attempt "
             f"{sib.attempt} is {sib.status.value}"
         )
-    sib.status = SiblingStatus.PENDING
-    sib.weight_version = None
-    return sib
+    group.set_sibling(
+        sibling,
+        sib._replace(
+            status=SiblingStatus.PENDING,
+            weight_version=None,
+            failures=sib.failures + 1 if failed else sib.failures,
+        ),
+    )
 
 
 def evolve_failed(state: RunState, ev: SiblingFailed) -> None:
     """The attempt failed; the sibling may be dispatched again."""
-    sib = _back_to_pending(state, ev.group_id, ev.sibling, ev.attempt, "SiblingFailed")
-    sib.failures += 1
+    _back_to_pending(state, ev.group_id, ev.sibling, ev.attempt, "SiblingFailed", failed=True)
     state.counters.siblings_failed += 1
 
 
 def evolve_aborted(state: RunState, ev: SiblingAborted) -> None:
     """The attempt was abandoned; the sibling waits for a new dispatch."""
-    _back_to_pending(state, ev.group_id, ev.sibling, ev.attempt, "SiblingAborted")
+    _back_to_pending(state, ev.group_id, ev.sibling, ev.attempt, "SiblingAborted", failed=False)
     state.counters.siblings_aborted += 1
 
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..config import RolloutConfig
-from .untracked import untrack
 
 
 class Phase(StrEnum):
@@ -37,9 +37,25 @@ class SiblingStatus(StrEnum):
     DONE = "done"
 
 
-@dataclass(slots=True)
-class SiblingState:
-    """One completion of a group."""
+#: A sibling as the state holds it: a plain tuple of atoms, in :class:`SiblingState`'s
+#: field order with the status as its string value. CPython's collector untracks a tuple
+#: of atoms at the first collection that sees it (an enum member is an object it tracks,
+#: hence the string), so a buffer of 100k groups of 16 siblings is not 1.6M objects for
+#: every full collection to walk. Rows are immutable: a change makes a new row.
+SiblingRow = tuple[int, str, int | None, int, int, float | None, str | None, bool]
+
+_STATUS: dict[str, SiblingStatus] = {s.value: s for s in SiblingStatus}
+#: A status's value, looked up by the member or by the value itself.
+_VALUE: dict[str, str] = {s: s.value for s in SiblingStatus}
+_PENDING = SiblingStatus.PENDING.value
+_DONE = SiblingStatus.DONE.value
+_new_tuple = tuple.__new__
+#: A sibling never dispatched.
+NEW_SIBLING_ROW: SiblingRow = (0, _PENDING, None, 0, 0, None, None, False)
+
+
+class SiblingState(NamedTuple):
+    """One completion of a group, as read: an immutable view of the group's row."""
 
     attempt: int = 0  # newest attempt dispatched (0: never dispatched)
     status: SiblingStatus = SiblingStatus.PENDING
@@ -50,20 +66,37 @@ class SiblingState:
     payload_id: str | None = None
     salvaged: bool = False
 
-    def __post_init__(self) -> None:
-        # Atoms only, so never in a cycle: out of the collector's walks (untracked.py).
-        untrack(self)
+    @classmethod
+    def from_row(cls, row: SiblingRow) -> SiblingState:
+        """The view of a stored row."""
+        a, status, w, f, c, r, p, s = row
+        # tuple.__new__ directly: a view is made per sibling read, and the generated
+        # __new__ (a Python function) would double its cost.
+        return _new_tuple(cls, (a, _STATUS[status], w, f, c, r, p, s))
+
+    def row(self) -> SiblingRow:
+        """The row the state stores for this sibling."""
+        a, status, w, f, c, r, p, s = self
+        value = _VALUE.get(status)
+        if value is None:
+            value = SiblingStatus(status).value  # the ValueError that names the bad status
+        return (a, value, w, f, c, r, p, s)
 
 
 @dataclass(slots=True)
 class GroupState:
-    """One prompt × group_size siblings."""
+    """One prompt × group_size siblings.
+
+    The group itself is one mutable object; its siblings are immutable rows
+    (:data:`SiblingRow`), read through :attr:`siblings` and changed by
+    :meth:`set_sibling`, which replaces the row. Make one with :meth:`new`.
+    """
 
     group_id: int
     prompt_index: int
     target_step: int | None
     phase: Phase
-    siblings: list[SiblingState]
+    sibling_rows: tuple[SiblingRow, ...]
     recovered: bool = False  # came back in a restore
     borrowed_from: int | None = None  # lender step, when re-stamped by a borrow
     selected_for: int | None = None  # train step, when selected
@@ -71,23 +104,54 @@ class GroupState:
     ready_order: int | None = None  # position in commit order (ready_first sampler)
     data_pass: int = 0  # the pass over the data: the prompt's identity is (pass, index)
 
-    def __post_init__(self) -> None:
-        # Atoms and the sibling list, so never in a cycle: out of the collector's walks
-        # (untracked.py). A sibling list is only ever made with its group.
-        untrack(self)
-        untrack(self.siblings)
+    @classmethod
+    def new(
+        cls,
+        group_id: int,
+        prompt_index: int,
+        target_step: int | None,
+        phase: Phase,
+        siblings: Iterable[SiblingState],
+        **rest: Any,
+    ) -> GroupState:
+        """A group of these siblings (``rest``: the other fields)."""
+        rows = tuple([s.row() for s in siblings])
+        return cls(group_id, prompt_index, target_step, phase, rows, **rest)
+
+    @property
+    def siblings(self) -> tuple[SiblingState, ...]:
+        """The siblings, in order (views: change one with :meth:`set_sibling`)."""
+        view = SiblingState.from_row
+        return tuple([view(row) for row in self.sibling_rows])
+
+    @property
+    def size(self) -> int:
+        """How many siblings the group has."""
+        return len(self.sibling_rows)
+
+    def sibling(self, index: int) -> SiblingState:
+        """Sibling ``index`` (an IndexError when the group has no such sibling)."""
+        return SiblingState.from_row(self.sibling_rows[index])
+
+    def set_sibling(self, index: int, sibling: SiblingState) -> None:
+        """Replace sibling ``index``'s row by ``sibling``'s."""
+        rows = self.sibling_rows
+        if not 0 <= index < len(rows):
+            raise IndexError(f"group {self.group_id} has no sibling {index}")
+        self.sibling_rows = (*rows[:index], sibling.row(), *rows[index + 1 :])
+
+    def count(self, status: SiblingStatus) -> int:
+        """Siblings with this status."""
+        value = status.value
+        return sum(1 for row in self.sibling_rows if row[1] == value)
 
     def done_count(self) -> int:
         """Siblings with a completion."""
-        return sum(1 for s in self.siblings if s.status is SiblingStatus.DONE)
+        return self.count(SiblingStatus.DONE)
 
     def oldest_version(self) -> int | None:
         """Oldest weight version among finished siblings (None when none finished)."""
-        versions = [
-            s.weight_version
-            for s in self.siblings
-            if s.status is SiblingStatus.DONE and s.weight_version is not None
-        ]
+        versions = [row[2] for row in self.sibling_rows if row[1] == _DONE and row[2] is not None]
         return min(versions) if versions else None
 
 
@@ -179,17 +243,6 @@ class RunState:
     failure: str | None = None  # set when the drop policy "fail" stopped the run
     engines: dict[str, EngineState] = field(default_factory=dict)  # by engine id
 
-    def __post_init__(self) -> None:
-        # The groups dict holds only groups, so it is never in a cycle: off the
-        # collector's walks like them (untracked.py). Inserting a group makes CPython track
-        # it again, so add_group untracks it after each insert.
-        untrack(self.groups)
-
-    def add_group(self, group: GroupState) -> None:
-        """Hold a new live group (keeping the groups dict off the cyclic collector)."""
-        self.groups[group.group_id] = group
-        untrack(self.groups)
-
     @property
     def rules(self) -> RolloutConfig:
         """The run's config; an error before RunStarted."""
@@ -241,7 +294,9 @@ class RunState:
             value = getattr(self, name)
             if name == "config":
                 data[name] = value.model_dump() if value else None
-            elif name in ("groups", "loans", "engines"):
+            elif name == "groups":
+                data[name] = [group_plain(g) for g in value.values()]
+            elif name in ("loans", "engines"):
                 data[name] = [_as_plain(item) for item in value.values()]
             elif name in ("quotas", "batches", "batch_shortfall"):
                 data[name] = [[k, v] for k, v in value.items()]
@@ -254,12 +309,14 @@ class RunState:
         """Rebuild a state from :meth:`to_snapshot`'s output."""
         groups = {}
         for g in data["groups"]:
-            sibs = [
-                SiblingState(**{**s, "status": SiblingStatus(s["status"])}) for s in g["siblings"]
-            ]
-            groups[g["group_id"]] = GroupState(
-                **{**g, "phase": Phase(g["phase"]), "siblings": sibs}
+            group = GroupState(
+                **{
+                    **{k: v for k, v in g.items() if k != "siblings"},
+                    "phase": Phase(g["phase"]),
+                    "sibling_rows": tuple([_row_of(s) for s in g["siblings"]]),
+                }
             )
+            groups[group.group_id] = group
         return cls(
             run_id=data["run_id"],
             config=RolloutConfig.model_validate(data["config"]) if data["config"] else None,
@@ -318,6 +375,29 @@ def _field_names(cls: type) -> tuple[str, ...]:
     if names is None:
         names = _FIELD_NAMES[cls] = tuple(f.name for f in fields(cls))
     return names
+
+
+#: A snapshot's sibling keys, in row order.
+_SIBLING_KEYS: tuple[str, ...] = SiblingState._fields
+
+
+def group_plain(group: GroupState) -> dict[str, Any]:
+    """A group as its snapshot stores it: the fields, and ``siblings`` as a list of
+    dicts of :class:`SiblingState`'s fields (the format from before siblings were rows)."""
+    data: dict[str, Any] = {}
+    for name in _field_names(GroupState):
+        if name == "sibling_rows":
+            data["siblings"] = [
+                dict(zip(_SIBLING_KEYS, row, strict=True)) for row in group.sibling_rows
+            ]
+        else:
+            data[name] = getattr(group, name)
+    return data
+
+
+def _row_of(sibling: dict[str, Any]) -> SiblingRow:
+    """The row of a snapshot's sibling dict (its status checked)."""
+    return SiblingState(**sibling).row()
 
 
 def _as_plain(value: Any) -> Any:

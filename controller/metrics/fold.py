@@ -676,7 +676,7 @@ class MetricsProjection(_CounterContainers):
         phases: dict[Phase, int] = {}
         for group in self.state.groups.values() if self.state is not None else ():
             phases[group.phase] = phases.get(group.phase, 0) + 1
-            in_flight += sum(1 for s in group.siblings if s.status is SiblingStatus.IN_FLIGHT)
+            in_flight += group.count(SiblingStatus.IN_FLIGHT)  # rows, not a view each
         meta = self.last_meta
         return {
             "rollout_siblings_in_flight": in_flight,

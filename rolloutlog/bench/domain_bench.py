@@ -39,7 +39,6 @@ import gc
 import json
 import math
 import os
-import pickle
 import platform
 import queue
 import statistics
@@ -592,8 +591,8 @@ def bench_loop_pause(
     collector: ``max_loop_pause_ms_without_gc_freeze`` is the same figure, kept for
     readers of the JSON (the heap freeze it was compared with is gone). Baselines, same
     run: :func:`encode_snapshot` of the whole state, what a snapshot used to cost inline,
-    and :func:`bench_full_collection`, what a full collection costs with the groups
-    untracked and tracked.
+    and :func:`bench_full_collection`, what a full collection costs with the siblings
+    as rows and as objects of their own.
     """
     say = progress or (lambda _msg: None)
     default = _loop_pause_run(root, sizes, say, label="default")
@@ -674,10 +673,11 @@ def _loop_pause_run(
 
 def bench_full_collection(groups: int, group_size: int, say: _ProgressFn) -> dict[str, Any]:
     """How long one full ``gc.collect()`` takes with ``groups`` admitted groups of
-    ``group_size`` siblings held, as the controller keeps them (untracked: see
-    controller/domain/untracked.py) and, the baseline in the same run, the same groups
-    as tracked objects (an unpickled copy: built without ``__init__``, so tracked, as
-    every group was before). Medians of three collections each."""
+    ``group_size`` siblings held, as the state holds them (``untracked_ms``: each sibling a
+    row CPython untracks itself, so one tracked object per group; see ``GroupState``) and,
+    the baseline in the same run, with every sibling an object of its own in a list of its
+    group (``tracked_ms``: how the state held them before rows, 2 + ``group_size``
+    tracked objects per group). Medians of three collections each."""
     say(f"loop: full collections with {size_label(groups)} groups of {group_size}")
     rules = workload_config(1_000, group_size).model_copy(
         update={"lookahead": math.ceil(groups / 1_000), "spare_pool_size": 0}
@@ -697,10 +697,14 @@ def bench_full_collection(groups: int, group_size: int, say: _ProgressFn) -> dic
             times.append(time.perf_counter() - started)
         return _median(times) * 1000
 
+    gc.collect()  # what CPython does on its own: the rows made above are untracked
+    rows = next(iter(state.groups.values())).sibling_rows
+    _check(not gc.is_tracked(rows[0]), "the state's sibling rows are tracked")
     untracked_ms = collect_ms()
-    tracked = pickle.loads(pickle.dumps(state.groups, protocol=pickle.HIGHEST_PROTOCOL))
-    state.groups = {}  # the same state but for the groups, now the tracked copies
-    _check(gc.is_tracked(next(iter(tracked.values()))), "the unpickled groups are untracked")
+    # The baseline: each sibling a tracked object (a SiblingState view is a tuple subclass,
+    # which CPython never untracks), in a list per group.
+    tracked = {gid: [*g.siblings] for gid, g in state.groups.items()}
+    _check(gc.is_tracked(tracked[next(iter(tracked))][0]), "the baseline siblings are untracked")
     tracked_ms = collect_ms()
     del tracked
     return {

@@ -92,8 +92,9 @@ def print_report(result: dict[str, Any]) -> None:
         full = loop["full_collection"]
         console.print(
             f"one full gc.collect() with {size_label(full['groups'])} groups of "
-            f"{full['group_size']}: {full['untracked_ms']:.1f} ms as the controller holds "
-            f"them (untracked), {full['tracked_ms']:.1f} ms tracked"
+            f"{full['group_size']}: {full['untracked_ms']:.1f} ms as the state holds them "
+            f"(siblings as untracked rows), {full['tracked_ms']:.1f} ms with every sibling "
+            "an object of its own"
         )
 
     ckpt = result.get("checkpoint")

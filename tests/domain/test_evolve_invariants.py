@@ -351,18 +351,19 @@ def test_invariant_3_selection() -> None:
 def test_invariant_4_sibling_accounting() -> None:
     state = _healthy()
     ready = next(g for g in state.groups.values() if g.phase is Phase.SELECTED)
-    ready.siblings[1].status = SiblingStatus.PENDING
+    ready.set_sibling(1, ready.sibling(1)._replace(status=SiblingStatus.PENDING))
     v = _first(state, SiblingAccountingError)
     assert v.number == 4 and v.groups == (ready.group_id,)
     assert f"group {ready.group_id} is selected with 1 of 2 siblings done" in str(v)
 
     state = _healthy()
-    state.groups[6].siblings.append(state.groups[6].siblings[0])
+    state.groups[6].sibling_rows += state.groups[6].sibling_rows[:1]
     v = _first(state, SiblingAccountingError)
     assert "group 6 has 3 siblings, not 2" in str(v)
 
     state = _healthy()
-    state.groups[3].siblings[0].status = SiblingStatus.IN_FLIGHT  # attempt 0
+    g3 = state.groups[3]
+    g3.set_sibling(0, g3.sibling(0)._replace(status=SiblingStatus.IN_FLIGHT))  # attempt 0
     v = _first(state, SiblingAccountingError)
     assert "group 3 sibling 0 is in_flight without an attempt" in str(v)
 
