@@ -14,9 +14,12 @@ refused on restore.
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 import os
+import re
+import string
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,6 +168,54 @@ def load_rows(config: DatasetConfig) -> list[dict[str, Any]]:
     return [dict(row) for row in ds]
 
 
+def scan_rows(config: DatasetConfig) -> list[int] | None:
+    """The 1-based line number where each row of a JSONL or CSV file starts (``None`` for
+    JSON and Parquet, whose rows are named by index), read before ``datasets`` sees the
+    file so that errors name the line.
+
+    Refuses (:class:`DatasetError`) an empty file and a JSONL line that is not a JSON
+    object, naming the line."""
+    path = Path(config.path)
+    fmt = config.resolved_format()
+    if not path.is_file():
+        raise DatasetError(f"dataset file {path} does not exist")
+    if fmt in ("json", "parquet"):
+        if path.stat().st_size == 0 or (fmt == "json" and not path.read_bytes().strip()):
+            raise DatasetError(f"dataset file {path} is empty")
+        return None
+    lines: list[int] = []
+    with open(path, encoding="utf-8", newline="") as fh:
+        if fmt == "jsonl":
+            for number, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    value = json.loads(line.rstrip("\r\n"))
+                except json.JSONDecodeError as exc:
+                    raise DatasetError(
+                        f"{path} line {number}: not valid JSON: {exc.msg} (column {exc.colno})"
+                    ) from exc
+                if not isinstance(value, dict):
+                    raise DatasetError(
+                        f"{path} line {number}: a JSON {type(value).__name__}, not an object"
+                    )
+                lines.append(number)
+        else:
+            reader = csv.reader(fh)
+            start = 1
+            header = False
+            for record in reader:
+                if record and header:
+                    lines.append(start)
+                header = header or bool(record)
+                start = reader.line_num + 1
+            if header and not lines:
+                raise DatasetError(f"dataset file {path} has a header line but no rows")
+    if not lines:
+        raise DatasetError(f"dataset file {path} is empty")
+    return lines
+
+
 class PromptDataset:
     """A dataset file as token-level prompts and a reward (a ``PromptSource``).
 
@@ -192,6 +243,10 @@ class PromptDataset:
         self.tokenizer = tokenizer
         self._reward = Reward(reward)
         self.stats = DatasetStats()
+        #: Where each file row starts (JSONL, CSV), for messages that name a row.
+        self._lines: list[int] | None = None
+        if rows is None:
+            self._lines = scan_rows(config)
         all_rows = [dict(r) for r in rows] if rows is not None else load_rows(config)
         self.stats.rows = len(all_rows)
         self._rows: list[dict[str, Any]] = []
@@ -232,25 +287,44 @@ class PromptDataset:
 
     # ------------------------------------------------------------------ prompts
 
+    def where(self, number: int) -> str:
+        """File row ``number`` (0-based) as a message names it: ``line N`` (1-based) of a
+        JSONL or CSV file, ``row index N`` (0-based) otherwise."""
+        if self._lines is not None and 0 <= number < len(self._lines):
+            return f"line {self._lines[number]}"
+        return f"row index {number}"
+
     def prompt_text(self, number: int, row: Mapping[str, Any]) -> str:
         """The prompt text of file row ``number`` (template filled, or the prompt field)."""
         cfg = self.config
+        # ``datasets`` unifies the rows' schema: a key one row lacks is None there, and
+        # would be formatted as the text "None".
+        present = ", ".join(sorted(k for k, v in row.items() if v is not None))
         if cfg.template is not None:
             try:
-                return cfg.template.format_map(row)
-            except KeyError as exc:
-                raise DatasetError(
-                    f"{cfg.path} row {number}: template field {exc} missing (fields: "
-                    f"{', '.join(sorted(row))})"
-                ) from exc
-            except (IndexError, ValueError) as exc:
+                names = {
+                    re.split(r"[.\[]", name, maxsplit=1)[0]
+                    for _, name, _, _ in string.Formatter().parse(cfg.template)
+                    if name
+                }
+            except ValueError as exc:
                 raise DatasetError(f"template {cfg.template!r}: {exc}") from exc
+            for name in sorted(names):
+                if not name.isdigit() and row.get(name) is None:
+                    raise DatasetError(
+                        f"{cfg.path} {self.where(number)}: template field {name!r} missing "
+                        f"(fields: {present})"
+                    )
+            try:
+                return cfg.template.format_map(row)
+            except (IndexError, KeyError, ValueError, AttributeError) as exc:
+                raise DatasetError(f"template {cfg.template!r}: {exc!r}") from exc
         value = row.get(cfg.prompt_field)
         if not isinstance(value, str):
             raise DatasetError(
-                f"{cfg.path} row {number}: prompt field {cfg.prompt_field!r} is "
+                f"{cfg.path} {self.where(number)}: prompt field {cfg.prompt_field!r} is "
                 f"{'missing' if value is None else type(value).__name__}, not text (fields: "
-                f"{', '.join(sorted(row))})"
+                f"{present})"
             )
         return value
 
@@ -259,7 +333,7 @@ class PromptDataset:
         text = self.prompt_text(number, row)
         if cfg.answer_field is not None and row.get(cfg.answer_field) is None:
             raise DatasetError(
-                f"{cfg.path} row {number}: answer field {cfg.answer_field!r} missing"
+                f"{cfg.path} {self.where(number)}: answer field {cfg.answer_field!r} missing"
             )
         if cfg.chat_template:
             if not getattr(self.tokenizer, "chat_template", None):
@@ -271,12 +345,12 @@ class PromptDataset:
         else:
             ids = list(self.tokenizer.encode(text, add_special_tokens=True))
         if not ids:
-            raise DatasetError(f"{cfg.path} row {number}: prompt {text!r} encodes to no tokens")
+            raise DatasetError(f"{cfg.path} {self.where(number)}: prompt {text!r} encodes to no tokens")
         limit = cfg.max_prompt_tokens
         if limit is not None and len(ids) > limit:
             if cfg.too_long == "error":
                 raise DatasetError(
-                    f"{cfg.path} row {number}: prompt is {len(ids)} tokens, over "
+                    f"{cfg.path} {self.where(number)}: prompt is {len(ids)} tokens, over "
                     f"max_prompt_tokens {limit} (too_long: error)"
                 )
             if cfg.too_long == "skip":
@@ -376,5 +450,6 @@ __all__ = [
     "TooLong",
     "file_digest",
     "load_rows",
+    "scan_rows",
     "vocab_fingerprint",
 ]
