@@ -345,7 +345,9 @@ class PromptDataset:
         else:
             ids = list(self.tokenizer.encode(text, add_special_tokens=True))
         if not ids:
-            raise DatasetError(f"{cfg.path} {self.where(number)}: prompt {text!r} encodes to no tokens")
+            raise DatasetError(
+                f"{cfg.path} {self.where(number)}: prompt {text!r} encodes to no tokens"
+            )
         limit = cfg.max_prompt_tokens
         if limit is not None and len(ids) > limit:
             if cfg.too_long == "error":

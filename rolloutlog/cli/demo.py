@@ -77,7 +77,7 @@ def demo(
                 # Early, before the first checkpoint: the worker's crash comes later.
                 "kill_engine_at_step": max(1, checkpoint_every // 2) if kill_engine else None,
             },
-            "model": {"dir": str(work / "tiny-model")},
+            "model": {"dir": str(work / "tiny-model"), "build": "tiny"},
             "store": {"url": db_url},
         }
     )

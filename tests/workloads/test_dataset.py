@@ -61,9 +61,7 @@ def test_a_row_without_a_template_field_is_refused_naming_its_line(
     # datasets unifies the schema: the third row's missing "question" would be None and
     # the prompt the text "None".
     path = tmp_path / "q.jsonl"
-    path.write_text(
-        '{"question": "what is 1 + 1?", "answer": "2"}\n\n{"answer": "3"}\n'
-    )
+    path.write_text('{"question": "what is 1 + 1?", "answer": "2"}\n\n{"answer": "3"}\n')
     with pytest.raises(
         DatasetError, match=r"q.jsonl line 3: template field 'question' missing \(fields: answer\)"
     ):
