@@ -118,6 +118,11 @@ METRICS: dict[str, MetricInfo] = {
         "Sibling attempts that failed, by whether another attempt may follow.",
         ("retryable",),
     ),
+    "rollout_reward_failures_total": MetricInfo(
+        "counter",
+        "siblings",
+        "Sibling attempts failed by their reward (a SiblingFailed with cause reward).",
+    ),
     "rollout_siblings_aborted_total": MetricInfo(
         "counter", "siblings", "Sibling attempts abandoned (stale weights, backend abort)."
     ),
@@ -538,7 +543,10 @@ def _counters_from_snapshot(dst: _CounterContainers, data: Mapping[str, Any]) ->
     """Set the counter containers and the histogram of ``dst`` from
     :func:`_counters_to_snapshot`'s output."""
     for name in _COUNTER_FIELDS:
-        setattr(dst, name, {tuple(k) if isinstance(k, list) else k: int(v) for k, v in data[name]})
+        # Onto the zeroed containers: a snapshot saved before a counter existed lacks it.
+        getattr(dst, name).update(
+            {tuple(k) if isinstance(k, list) else k: int(v) for k, v in data[name]}
+        )
     h = data["staleness"]
     hist = Histogram(h["buckets"])
     hist.counts = [int(n) for n in h["counts"]]
@@ -844,6 +852,8 @@ class MetricsProjection(_CounterContainers):
 
     def _failed(self, _o: int, _m: EventMeta, ev: SiblingFailed) -> None:
         self._add("failed", "true" if ev.retryable else "false")
+        if ev.cause == "reward":
+            self._add("counts", "reward_failures")
 
     def _aborted(self, _o: int, _m: EventMeta, _ev: SiblingAborted) -> None:
         self._add("counts", "siblings_aborted")
@@ -1121,6 +1131,7 @@ _PLAIN_COUNTERS: dict[str, str] = {
     "rollout_siblings_dispatched_total": "siblings_dispatched",
     "rollout_siblings_completed_total": "siblings_completed",
     "rollout_siblings_aborted_total": "siblings_aborted",
+    "rollout_reward_failures_total": "reward_failures",
     "rollout_groups_committed_total": "groups_committed",
     "rollout_groups_selected_total": "groups_selected",
     "rollout_groups_trained_total": "groups_trained",

@@ -28,7 +28,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .passes import PromptKey, prompt_at
-from .rewards import Reward, RewardConfig, RewardFailedError, RewardResult
+from .rewards import (
+    Reward,
+    RewardConfig,
+    RewardFailedError,
+    RewardFailureLimitError,
+    RewardResult,
+)
 
 DatasetFormat = Literal["auto", "jsonl", "json", "parquet", "csv"]
 TooLong = Literal["skip", "truncate", "error"]
@@ -109,17 +115,25 @@ class DatasetStats:
     too_long_skipped: int = 0
     too_long_truncated: int = 0
     reward_failures: int = 0
+    #: Completions scored (failed or not).
+    rewards_scored: int = 0
     #: The last few reward failure messages, as ``(prompt index, message)``.
     reward_errors: list[tuple[int, str]] = field(default_factory=list)
+    #: The first reward failure, as ``(prompt index, message)``.
+    reward_first_error: tuple[int, str] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain numbers for a run summary."""
+        """Plain numbers (and the first reward error) for a run summary."""
         return {
             "dataset_rows": self.rows,
             "dataset_prompts": self.prompts,
             "prompts_too_long_skipped": self.too_long_skipped,
             "prompts_too_long_truncated": self.too_long_truncated,
+            "rewards_scored": self.rewards_scored,
             "reward_failures": self.reward_failures,
+            "reward_first_error": None
+            if self.reward_first_error is None
+            else self.reward_first_error[1],
         }
 
 
@@ -227,6 +241,9 @@ class PromptDataset:
             :func:`rolloutlog.grpo.model_loader.tokenizer_fingerprint`); default: a hash of
             its vocabulary, special tokens and chat template.
         rows: the rows, when already loaded (default: read ``config.path``).
+        failure_window: completions scored before ``reward.max_failure_fraction`` is
+            judged at each failure (``rolloutlog run`` passes a step's worth: groups per
+            step x group size); ``None``: only :meth:`failure_limit` judges it.
     """
 
     def __init__(
@@ -237,8 +254,10 @@ class PromptDataset:
         *,
         tokenizer_fingerprint: str | None = None,
         rows: Sequence[Mapping[str, Any]] | None = None,
+        failure_window: int | None = None,
     ) -> None:
         self.config = config
+        self.failure_window = failure_window
         self.reward_config = reward
         self.tokenizer = tokenizer
         self._reward = Reward(reward)
@@ -277,7 +296,8 @@ class PromptDataset:
                 "rows_sha256": None if rows is None else _rows_digest(all_rows),
                 "config": config.model_dump(exclude={"path"}),
                 "tokenizer": tok_fp,
-                "reward": reward.model_dump(mode="json"),
+                # The failure limit is how the run reacts, not what it computes.
+                "reward": reward.model_dump(mode="json", exclude={"max_failure_fraction"}),
             },
             sort_keys=True,
             default=str,
@@ -425,16 +445,47 @@ class PromptDataset:
     def reward(self, index: int, completion_token_ids: Sequence[int]) -> float:
         """The reward (``PromptSource``), with ``reward.on_error`` applied to a failure:
         ``zero`` returns 0.0, ``drop_group`` raises :class:`RewardFailedError` (the runtime
-        records it as a failed sibling, without retry). Either way it is counted."""
+        records it as a failed sibling, without retry). Either way it is counted, and a
+        failure past :meth:`failure_limit` raises :class:`RewardFailureLimitError` (the
+        runtime records the failure and stops the run)."""
         result = self.score(index, completion_token_ids)
+        stats = self.stats
+        stats.rewards_scored += 1
         if result.error is None:
             assert result.value is not None
             return result.value
-        self.stats.reward_failures += 1
-        self.stats.reward_errors = [*self.stats.reward_errors[-19:], (index, result.error)]
+        stats.reward_failures += 1
+        stats.reward_errors = [*stats.reward_errors[-19:], (index, result.error)]
+        if stats.reward_first_error is None:
+            stats.reward_first_error = (index, result.error)
+        limit = None if self.failure_window is None else self.failure_limit()
+        if limit is not None:
+            raise RewardFailureLimitError(limit)
         if self.reward_config.on_error == "zero":
             return 0.0
         raise RewardFailedError(f"prompt {index}: {result.error}")
+
+    def failure_limit(self, *, final: bool = False) -> str | None:
+        """Why the reward failures so far stop the run, or ``None``: once
+        ``failure_window`` completions were scored (``final``: at any count, for a run
+        that ends before), every one of them failed or more than
+        ``reward.max_failure_fraction`` of them did."""
+        stats = self.stats
+        failed, scored = stats.reward_failures, stats.rewards_scored
+        window = self.failure_window if self.failure_window is not None else 1
+        if failed == 0 or (not final and scored < window):
+            return None
+        fraction = self.reward_config.max_failure_fraction
+        if failed < scored and failed <= fraction * scored:
+            return None
+        assert stats.reward_first_error is not None
+        index, first = stats.reward_first_error
+        return (
+            f"the reward {self.reward_config.name!r} failed on {failed} of the {scored} "
+            f"completions scored (reward.max_failure_fraction: {fraction}); its first "
+            f"error, on prompt {index} ({self.config.path} "
+            f"{self.where(self.source_rows[index])}): {first}"
+        )
 
 
 def _rows_digest(rows: Sequence[Mapping[str, Any]]) -> str:

@@ -66,6 +66,7 @@ def dataset_prompts(cfg: RunConfig, tokenizer: Any, model_dir: Path) -> PromptDa
             cfg.reward if cfg.reward is not None else RewardConfig(),
             tokenizer,
             tokenizer_fingerprint=tokenizer_fingerprint(model_dir),
+            failure_window=cfg.rollout.groups_per_step * cfg.rollout.group_size,
         )
     except (DatasetError, ValueError) as exc:
         raise ConfigError(f"dataset: {exc}") from exc

@@ -24,6 +24,7 @@ from rolloutlog.controller.domain.errors import RestoreError
 from rolloutlog.controller.rollout_controller import RecoveryReport, RolloutController
 from rolloutlog.controller.rollout_runtime import DataExhaustedError, RolloutRuntime
 from rolloutlog.controller.workloads.dataset import PromptDataset
+from rolloutlog.controller.workloads.rewards import RewardFailureLimitError
 from rolloutlog.controller.workloads.run import check_model_fits, dataset_prompts, prepare_model_dir
 from rolloutlog.eventstore import EpochFencedError, EventStore
 
@@ -337,6 +338,20 @@ async def run_training(
                 try:
                     batch = await runtime.next_batch(step)
                 except DataExhaustedError as exc:
+                    if isinstance(prompts, PromptDataset):
+                        # Reward failures drop groups, and so use up data: a run that ran
+                        # out because of them says so (and past the limit, fails).
+                        limit = prompts.failure_limit(final=True)
+                        if limit is not None:
+                            raise RewardFailureLimitError(limit) from exc
+                        first_error = prompts.stats.reward_first_error
+                        dropping = prompts.reward_config.on_error == "drop_group"
+                        if first_error is not None and dropping:
+                            exc = DataExhaustedError(
+                                f"{exc}; {prompts.stats.reward_failures} of "
+                                f"{prompts.stats.rewards_scored} completions failed their "
+                                f"reward, each dropping its group (first: {first_error[1]})"
+                            )
                     # Out of data: end cleanly at the last trained step, saying so, with a
                     # checkpoint there (unless the last step already wrote one).
                     stopped = str(exc)

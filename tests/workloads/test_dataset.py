@@ -10,7 +10,11 @@ import pytest
 
 from rolloutlog.controller.workloads.arith import generate_arith
 from rolloutlog.controller.workloads.dataset import DatasetConfig, DatasetError, PromptDataset
-from rolloutlog.controller.workloads.rewards import RewardConfig, RewardFailedError
+from rolloutlog.controller.workloads.rewards import (
+    RewardConfig,
+    RewardFailedError,
+    RewardFailureLimitError,
+)
 from rolloutlog.grpo.model_loader import load_causal_lm, tokenizer_fingerprint
 
 from .conftest import write_jsonl
@@ -215,6 +219,62 @@ def test_user_reward_and_failure_policy(
     assert zero.reward(0, one) == 0.0
     assert zero.stats.reward_failures == 1
     assert zero.stats.reward_errors[0][0] == 0
+
+
+def test_reward_failures_past_the_limit_stop_naming_the_reward_and_its_first_error(
+    qa_jsonl: Path,
+    tiny_tok,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+) -> None:
+    (tmp_path / "qa_boom.py").write_text(
+        "def boom(completion, answer, example):\n    raise KeyError(example['question'])\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    one = tiny_tok.encode("1", add_special_tokens=False)
+    for policy in ("drop_group", "zero"):
+        reward = RewardConfig(name="qa_boom:boom", on_error=policy)
+        ds = PromptDataset(
+            DatasetConfig(path=str(qa_jsonl), template=TEMPLATE), reward, tiny_tok, failure_window=4
+        )
+        for index in (2, 0, 1):  # below the window: the policy applies
+            if policy == "zero":
+                assert ds.reward(index, one) == 0.0
+            else:
+                with pytest.raises(RewardFailedError):
+                    ds.reward(index, one)
+        with pytest.raises(
+            RewardFailureLimitError,
+            match=r"the reward 'qa_boom:boom' failed on 4 of the 4 completions scored "
+            r"\(reward.max_failure_fraction: 0.5\); its first error, on prompt 2 "
+            r"\(.*qa.jsonl line 3\): reward qa_boom:boom raised KeyError: 'what is 2 \+ 1\?'",
+        ):
+            ds.reward(3, one)
+        assert ds.stats.to_dict()["reward_failures"] == 4
+        assert ds.stats.to_dict()["rewards_scored"] == 4
+    # A run that ends before the window is judged on what it scored.
+    short = PromptDataset(
+        DatasetConfig(path=str(qa_jsonl), template=TEMPLATE),
+        RewardConfig(name="qa_boom:boom"),
+        tiny_tok,
+        failure_window=100,
+    )
+    with pytest.raises(RewardFailedError):
+        short.reward(0, one)
+    assert short.failure_limit() is None
+    assert "failed on 1 of the 1 completions" in str(short.failure_limit(final=True))
+    # The limit is how the run reacts, not what it computes: not in the fingerprint.
+    loose = RewardConfig(name="qa_boom:boom", max_failure_fraction=1.0)
+    assert (
+        PromptDataset(
+            DatasetConfig(path=str(qa_jsonl), template=TEMPLATE), loose, tiny_tok
+        ).fingerprint
+        == PromptDataset(
+            DatasetConfig(path=str(qa_jsonl), template=TEMPLATE),
+            RewardConfig(name="qa_boom:boom"),
+            tiny_tok,
+        ).fingerprint
+    )
 
 
 def test_shipped_arith_dataset_is_the_generator_output() -> None:
