@@ -216,3 +216,15 @@ def test_run_takes_the_log_from_db(tmp_path: Path) -> None:
         store.close()
     bad = _cli("run", str(cfg), "--db", "mysql://x")
     assert bad.exit_code == 1 and "Error: unsupported database 'mysql'" in bad.output
+
+
+def test_a_fingerprint_refusal_suggests_no_option_run_lacks(tmp_path: Path) -> None:
+    first = _config(tmp_path, steps=1, backend="deterministic")
+    assert _cli("run", str(first), "--run-id", "fp").exit_code == 0
+    other = _config(tmp_path, steps=2, backend="deterministic", task={"num_prompts": 100})
+    res = _cli("run", str(other), "--run-id", "fp", "--resume")
+    assert res.exit_code == 1, res.output
+    assert "Error: config fingerprint mismatch for run 'fp' (the dataset differs" in res.output
+    # Before: "...; restore with the run's own config, or force" (run has no --force).
+    assert "or force" not in res.output
+    assert "restore(force=True)" in res.output
