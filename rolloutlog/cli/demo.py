@@ -259,6 +259,7 @@ def run(config: Path, run_id: str | None, db_url: str | None, resume: bool, as_j
     from rolloutlog.controller.workloads.run import run_summary
 
     summary = run_summary(cfg, rid, result.workload, stopped=result.stopped)
+    summary["policy_dir"] = result.policy_dir
     if as_json:
         click.echo(json.dumps(summary, default=str))
     elif result.steps_trained == 0:
@@ -271,6 +272,8 @@ def run(config: Path, run_id: str | None, db_url: str | None, resume: bool, as_j
         )
         if result.stopped is not None:
             click.echo(f"run {rid}: stopped early: {result.stopped}")
+    if not as_json and result.policy_dir is not None:
+        click.echo(f"run {rid}: policy saved as a Hugging Face model in {result.policy_dir}")
     if not as_json and summary.get("reward_failures"):
         click.echo(
             f"run {rid}: {summary['reward_failures']} of {summary['rewards_scored']} "
