@@ -594,7 +594,7 @@ def _check_fingerprint(
             raise RestoreError(
                 f"dataset fingerprint mismatch for run {info.run_id!r}: the run was started "
                 f"with dataset {run_dataset!r}, this restore gives {dataset_fp!r}; restore "
-                "with the run's own dataset, or force"
+                "with the run's own dataset (the library's restore(force=True) skips this check)"
             )
         return
     expected = run_fingerprint(
@@ -607,10 +607,15 @@ def _check_fingerprint(
             for k in set(stored_rollout) | set(rollout.model_dump())
             if stored_rollout.get(k) != rollout.model_dump().get(k)
         )
-        what = f"fields that differ: {', '.join(diff)}" if diff else "the dataset differs"
+        what = (
+            f"rollout fields that differ: {', '.join(diff)}"
+            if diff
+            else "the dataset differs: its file, template, tokenizer or reward"
+        )
+        # No "or force": rolloutlog run has no such option; the library's restore does.
         raise RestoreError(
             f"config fingerprint mismatch for run {info.run_id!r} ({what}); restore with the "
-            "run's own config, or force"
+            "run's own config and data (the library's restore(force=True) skips this check)"
         )
 
 

@@ -44,7 +44,7 @@ from .domain.errors import (
     RunFailedError,
     StaleAttemptError,
 )
-from .domain.events import RolloutEvent, SiblingAborted
+from .domain.events import FailureCause, RolloutEvent, SiblingAborted
 from .domain.state import Phase, SiblingStatus
 from .rollout_controller import RolloutController
 
@@ -110,7 +110,8 @@ class PromptSource(Protocol):
 
     def reward(self, index: int, completion_token_ids: Sequence[int]) -> float:
         """Reward of a completion of prompt ``index``; one that raises fails that sibling
-        without retry (its group is dropped), never the run."""
+        without retry (its group is dropped), never the run, unless it raises
+        :class:`RunStoppedError`: then the sibling fails and the run stops with it."""
         ...
 
 
@@ -283,6 +284,8 @@ class RolloutRuntime:
                     self.stats.aborted += 1
 
     def _raise_if_failed(self) -> None:
+        if isinstance(self._error, RunStoppedError):
+            raise self._error  # already says why the run stopped
         if self._error is not None:
             raise RunStoppedError(f"the rollout pump stopped: {self._error}") from self._error
 
@@ -426,6 +429,12 @@ class RolloutRuntime:
             data = encode_arrays({"token_ids": res.token_ids, "logprobs": res.logprobs})
             try:
                 reward = float(self.prompts.reward(prompt_index, res.token_ids))
+            except RunStoppedError as exc:
+                # The prompt source stops the run (too many reward failures): this
+                # sample's reward failed too; record it, then stop.
+                self._record_reward_failure(res, f"reward failed: {exc}")
+                self._fail(exc)
+                return
             except Exception as exc:
                 # A reward that raises is this sample's failure, not the run's: the sibling
                 # fails without retry (SiblingFailed carries the message) and the drop
@@ -511,7 +520,7 @@ class RolloutRuntime:
     def _record_reward_failure(self, res: SiblingResult, reason: str) -> None:
         if not self._still_in_flight(res.group_id, res.sibling, res.attempt):
             return
-        self._fail_sibling(res.group_id, res, retryable=False, reason=reason)
+        self._fail_sibling(res.group_id, res, retryable=False, reason=reason, cause="reward")
         self.stats.reward_failures += 1
 
     def _record_aborts(self, request: GroupRequest, reason: str) -> None:
@@ -533,7 +542,13 @@ class RolloutRuntime:
         self.stats.aborted += 1
 
     def _fail_sibling(
-        self, group_id: int, spec: SiblingSpec | SiblingResult, *, retryable: bool, reason: str
+        self,
+        group_id: int,
+        spec: SiblingSpec | SiblingResult,
+        *,
+        retryable: bool,
+        reason: str,
+        cause: FailureCause = "generation",
     ) -> None:
         self.controller.execute(
             commands.FailSibling(
@@ -542,6 +557,7 @@ class RolloutRuntime:
                 attempt=spec.attempt,
                 retryable=retryable,
                 reason=reason,
+                cause=cause,
             )
         )
 

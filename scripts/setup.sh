@@ -37,9 +37,10 @@ command -v prometheus >/dev/null 2>&1 || missing="$missing prometheus"
 command -v chromium >/dev/null 2>&1 || missing="$missing chromium"
 if [ -n "$missing" ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    # Wait for another apt (a concurrent set-up) instead of failing on its lock.
-    apt-get -o DPkg::Lock::Timeout=600 update -qq &&
-      DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq $missing
+    # Wait for another apt (a concurrent set-up) instead of failing on its lock (also the
+    # lists lock of `apt-get update`, which DPkg::Lock::Timeout does not cover).
+    scripts/apt-get-wait update -qq &&
+      DEBIAN_FRONTEND=noninteractive scripts/apt-get-wait install -y -qq $missing
   else
     echo "note: the observability tests need:$missing (as root: apt-get install -y$missing)" >&2
   fi

@@ -7,6 +7,7 @@ from typing import Literal
 
 from ..config import RolloutConfig
 from .completion import Completion
+from .events import FailureCause
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,13 +46,14 @@ class CompleteSibling:
 
 @dataclass(frozen=True, slots=True)
 class FailSibling:
-    """A sibling attempt failed."""
+    """A sibling attempt failed (``cause``: generation, or the reward)."""
 
     group_id: int
     sibling: int
     attempt: int
     retryable: bool
     reason: str
+    cause: FailureCause = "generation"
 
 
 @dataclass(frozen=True, slots=True)

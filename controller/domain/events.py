@@ -172,19 +172,34 @@ class SiblingCompleted(RolloutEvent):
         return AuditKeys(group_id=self.group_id)
 
 
+#: What failed a sibling attempt: generating it, or scoring it (the reward raised).
+FailureCause = Literal["generation", "reward"]
+
+
 @CODEC.register
 class SiblingFailed(RolloutEvent):
-    """A sibling attempt failed; ``retryable`` says whether another attempt may follow."""
+    """A sibling attempt failed; ``retryable`` says whether another attempt may follow,
+    ``cause`` whether generation or the reward failed (schema 2; schema 1 rows are
+    upcast, a reason starting ``reward failed:`` being the runtime's reward failure)."""
 
     event_type = "SiblingFailed"
+    schema_version = 2
     group_id: int
     sibling: int
     attempt: int
     retryable: bool
     reason: str
+    cause: FailureCause = "generation"
 
     def audit_keys(self) -> AuditKeys:
         return AuditKeys(group_id=self.group_id)
+
+
+@CODEC.upcaster("SiblingFailed", 1)
+def _sibling_failed_v1(payload: dict[str, Any]) -> dict[str, Any]:
+    # Before schema 2 the runtime told a reward failure only by its reason's prefix.
+    reward = str(payload.get("reason", "")).startswith("reward failed:")
+    return {**payload, "cause": "reward" if reward else "generation"}
 
 
 @CODEC.register

@@ -153,6 +153,7 @@ def decide_fail(state: RunState, cmd: FailSibling) -> list[RolloutEvent]:
             attempt=cmd.attempt,
             retryable=cmd.retryable,
             reason=cmd.reason,
+            cause=cmd.cause,
         )
     ]
     failures = sib.failures + 1

@@ -68,6 +68,11 @@ METRICS: dict[str, MetricInfo] = {
         "Sibling attempts that failed, by whether another attempt may follow.",
         ("retryable",),
     ),
+    "rollout_reward_failures_total": MetricInfo(
+        "counter",
+        "siblings",
+        "Sibling attempts failed by their reward (a SiblingFailed with cause reward).",
+    ),
     "rollout_siblings_aborted_total": MetricInfo(
         "counter", "siblings", "Sibling attempts abandoned (stale weights, backend abort)."
     ),
@@ -229,6 +234,7 @@ PLAIN_COUNTERS: dict[str, str] = {
     "rollout_siblings_dispatched_total": "siblings_dispatched",
     "rollout_siblings_completed_total": "siblings_completed",
     "rollout_siblings_aborted_total": "siblings_aborted",
+    "rollout_reward_failures_total": "reward_failures",
     "rollout_groups_committed_total": "groups_committed",
     "rollout_groups_selected_total": "groups_selected",
     "rollout_groups_trained_total": "groups_trained",

@@ -537,6 +537,8 @@ class MetricsProjection(_CounterContainers):
 
     def _failed(self, _o: int, _m: EventMeta, ev: SiblingFailed) -> None:
         self._add("failed", "true" if ev.retryable else "false")
+        if ev.cause == "reward":
+            self._add("counts", "reward_failures")
 
     def _aborted(self, _o: int, _m: EventMeta, _ev: SiblingAborted) -> None:
         self._add("counts", "siblings_aborted")

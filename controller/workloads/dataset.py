@@ -16,8 +16,11 @@ written for other prompts or another reward is refused on restore.
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
+import re
+import string
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +32,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rolloutlog.eventstore.errors import RolloutlogError
 
 from .passes import PromptKey, prompt_at
-from .rewards import Reward, RewardConfig, RewardFailedError, RewardResult
+from .rewards import (
+    Reward,
+    RewardConfig,
+    RewardFailedError,
+    RewardFailureLimitError,
+    RewardResult,
+)
 
 DatasetFormat = Literal["auto", "jsonl", "json", "parquet", "csv"]
 TooLong = Literal["skip", "truncate", "error"]
@@ -110,17 +119,25 @@ class DatasetStats:
     too_long_skipped: int = 0
     too_long_truncated: int = 0
     reward_failures: int = 0
+    #: Completions scored (failed or not).
+    rewards_scored: int = 0
     #: The last few reward failure messages, as ``(prompt index, message)``.
     reward_errors: list[tuple[int, str]] = field(default_factory=list)
+    #: The first reward failure, as ``(prompt index, message)``.
+    reward_first_error: tuple[int, str] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain numbers for a run summary."""
+        """Plain numbers (and the first reward error) for a run summary."""
         return {
             "dataset_rows": self.rows,
             "dataset_prompts": self.prompts,
             "prompts_too_long_skipped": self.too_long_skipped,
             "prompts_too_long_truncated": self.too_long_truncated,
+            "rewards_scored": self.rewards_scored,
             "reward_failures": self.reward_failures,
+            "reward_first_error": None
+            if self.reward_first_error is None
+            else self.reward_first_error[1],
         }
 
 
@@ -190,6 +207,54 @@ def _stop_new_tqdm_monitors(threads_before: set[int | None]) -> None:
         thread.exit()
 
 
+def scan_rows(config: DatasetConfig) -> list[int] | None:
+    """The 1-based line number where each row of a JSONL or CSV file starts (``None`` for
+    JSON and Parquet, whose rows are named by index), read before ``datasets`` sees the
+    file so that errors name the line.
+
+    Refuses (:class:`DatasetError`) an empty file and a JSONL line that is not a JSON
+    object, naming the line."""
+    path = Path(config.path)
+    fmt = config.resolved_format()
+    if not path.is_file():
+        raise DatasetError(f"dataset file {path} does not exist")
+    if fmt in ("json", "parquet"):
+        if path.stat().st_size == 0 or (fmt == "json" and not path.read_bytes().strip()):
+            raise DatasetError(f"dataset file {path} is empty")
+        return None
+    lines: list[int] = []
+    with open(path, encoding="utf-8", newline="") as fh:
+        if fmt == "jsonl":
+            for number, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    value = json.loads(line.rstrip("\r\n"))
+                except json.JSONDecodeError as exc:
+                    raise DatasetError(
+                        f"{path} line {number}: not valid JSON: {exc.msg} (column {exc.colno})"
+                    ) from exc
+                if not isinstance(value, dict):
+                    raise DatasetError(
+                        f"{path} line {number}: a JSON {type(value).__name__}, not an object"
+                    )
+                lines.append(number)
+        else:
+            reader = csv.reader(fh)
+            start = 1
+            header = False
+            for record in reader:
+                if record and header:
+                    lines.append(start)
+                header = header or bool(record)
+                start = reader.line_num + 1
+            if header and not lines:
+                raise DatasetError(f"dataset file {path} has a header line but no rows")
+    if not lines:
+        raise DatasetError(f"dataset file {path} is empty")
+    return lines
+
+
 class PromptDataset:
     """A dataset file as token-level prompts and a reward (a ``PromptSource``).
 
@@ -201,6 +266,9 @@ class PromptDataset:
             :func:`rolloutlog.controller.backends.model_loader.tokenizer_fingerprint`);
             default: a hash of its vocabulary, special tokens and chat template.
         rows: the rows, when already loaded (default: read ``config.path``).
+        failure_window: completions scored before ``reward.max_failure_fraction`` is
+            judged at each failure (``rolloutlog run`` passes a step's worth: groups per
+            step x group size); ``None``: only :meth:`failure_limit` judges it.
     """
 
     def __init__(
@@ -211,12 +279,18 @@ class PromptDataset:
         *,
         tokenizer_fingerprint: str | None = None,
         rows: Sequence[Mapping[str, Any]] | None = None,
+        failure_window: int | None = None,
     ) -> None:
         self.config = config
+        self.failure_window = failure_window
         self.reward_config = reward
         self.tokenizer = tokenizer
         self._reward = Reward(reward)
         self.stats = DatasetStats()
+        #: Where each file row starts (JSONL, CSV), for messages that name a row.
+        self._lines: list[int] | None = None
+        if rows is None:
+            self._lines = scan_rows(config)
         all_rows = [dict(r) for r in rows] if rows is not None else load_rows(config)
         self.stats.rows = len(all_rows)
         self._rows: list[dict[str, Any]] = []
@@ -247,7 +321,8 @@ class PromptDataset:
                 "rows_sha256": None if rows is None else _rows_digest(all_rows),
                 "config": config.model_dump(exclude={"path"}),
                 "tokenizer": tok_fp,
-                "reward": reward.model_dump(mode="json"),
+                # The failure limit is how the run reacts, not what it computes.
+                "reward": reward.model_dump(mode="json", exclude={"max_failure_fraction"}),
             },
             sort_keys=True,
             default=str,
@@ -257,25 +332,44 @@ class PromptDataset:
 
     # ------------------------------------------------------------------ prompts
 
+    def where(self, number: int) -> str:
+        """File row ``number`` (0-based) as a message names it: ``line N`` (1-based) of a
+        JSONL or CSV file, ``row index N`` (0-based) otherwise."""
+        if self._lines is not None and 0 <= number < len(self._lines):
+            return f"line {self._lines[number]}"
+        return f"row index {number}"
+
     def prompt_text(self, number: int, row: Mapping[str, Any]) -> str:
         """The prompt text of file row ``number`` (template filled, or the prompt field)."""
         cfg = self.config
+        # ``datasets`` unifies the rows' schema: a key one row lacks is None there, and
+        # would be formatted as the text "None".
+        present = ", ".join(sorted(k for k, v in row.items() if v is not None))
         if cfg.template is not None:
             try:
-                return cfg.template.format_map(row)
-            except KeyError as exc:
-                raise DatasetError(
-                    f"{cfg.path} row {number}: template field {exc} missing (fields: "
-                    f"{', '.join(sorted(row))})"
-                ) from exc
-            except (IndexError, ValueError) as exc:
+                names = {
+                    re.split(r"[.\[]", name, maxsplit=1)[0]
+                    for _, name, _, _ in string.Formatter().parse(cfg.template)
+                    if name
+                }
+            except ValueError as exc:
                 raise DatasetError(f"template {cfg.template!r}: {exc}") from exc
+            for name in sorted(names):
+                if not name.isdigit() and row.get(name) is None:
+                    raise DatasetError(
+                        f"{cfg.path} {self.where(number)}: template field {name!r} missing "
+                        f"(fields: {present})"
+                    )
+            try:
+                return cfg.template.format_map(row)
+            except (IndexError, KeyError, ValueError, AttributeError) as exc:
+                raise DatasetError(f"template {cfg.template!r}: {exc!r}") from exc
         value = row.get(cfg.prompt_field)
         if not isinstance(value, str):
             raise DatasetError(
-                f"{cfg.path} row {number}: prompt field {cfg.prompt_field!r} is "
+                f"{cfg.path} {self.where(number)}: prompt field {cfg.prompt_field!r} is "
                 f"{'missing' if value is None else type(value).__name__}, not text (fields: "
-                f"{', '.join(sorted(row))})"
+                f"{present})"
             )
         return value
 
@@ -284,7 +378,7 @@ class PromptDataset:
         text = self.prompt_text(number, row)
         if cfg.answer_field is not None and row.get(cfg.answer_field) is None:
             raise DatasetError(
-                f"{cfg.path} row {number}: answer field {cfg.answer_field!r} missing"
+                f"{cfg.path} {self.where(number)}: answer field {cfg.answer_field!r} missing"
             )
         if cfg.chat_template:
             if not getattr(self.tokenizer, "chat_template", None):
@@ -296,12 +390,14 @@ class PromptDataset:
         else:
             ids = list(self.tokenizer.encode(text, add_special_tokens=True))
         if not ids:
-            raise DatasetError(f"{cfg.path} row {number}: prompt {text!r} encodes to no tokens")
+            raise DatasetError(
+                f"{cfg.path} {self.where(number)}: prompt {text!r} encodes to no tokens"
+            )
         limit = cfg.max_prompt_tokens
         if limit is not None and len(ids) > limit:
             if cfg.too_long == "error":
                 raise DatasetError(
-                    f"{cfg.path} row {number}: prompt is {len(ids)} tokens, over "
+                    f"{cfg.path} {self.where(number)}: prompt is {len(ids)} tokens, over "
                     f"max_prompt_tokens {limit} (too_long: error)"
                 )
             if cfg.too_long == "skip":
@@ -374,16 +470,47 @@ class PromptDataset:
     def reward(self, index: int, completion_token_ids: Sequence[int]) -> float:
         """The reward (``PromptSource``), with ``reward.on_error`` applied to a failure:
         ``zero`` returns 0.0, ``drop_group`` raises :class:`RewardFailedError` (the runtime
-        records it as a failed sibling, without retry). Either way it is counted."""
+        records it as a failed sibling, without retry). Either way it is counted, and a
+        failure past :meth:`failure_limit` raises :class:`RewardFailureLimitError` (the
+        runtime records the failure and stops the run)."""
         result = self.score(index, completion_token_ids)
+        stats = self.stats
+        stats.rewards_scored += 1
         if result.error is None:
             assert result.value is not None
             return result.value
-        self.stats.reward_failures += 1
-        self.stats.reward_errors = [*self.stats.reward_errors[-19:], (index, result.error)]
+        stats.reward_failures += 1
+        stats.reward_errors = [*stats.reward_errors[-19:], (index, result.error)]
+        if stats.reward_first_error is None:
+            stats.reward_first_error = (index, result.error)
+        limit = None if self.failure_window is None else self.failure_limit()
+        if limit is not None:
+            raise RewardFailureLimitError(limit)
         if self.reward_config.on_error == "zero":
             return 0.0
         raise RewardFailedError(f"prompt {index}: {result.error}")
+
+    def failure_limit(self, *, final: bool = False) -> str | None:
+        """Why the reward failures so far stop the run, or ``None``: once
+        ``failure_window`` completions were scored (``final``: at any count, for a run
+        that ends before), every one of them failed or more than
+        ``reward.max_failure_fraction`` of them did."""
+        stats = self.stats
+        failed, scored = stats.reward_failures, stats.rewards_scored
+        window = self.failure_window if self.failure_window is not None else 1
+        if failed == 0 or (not final and scored < window):
+            return None
+        fraction = self.reward_config.max_failure_fraction
+        if failed < scored and failed <= fraction * scored:
+            return None
+        assert stats.reward_first_error is not None
+        index, first = stats.reward_first_error
+        return (
+            f"the reward {self.reward_config.name!r} failed on {failed} of the {scored} "
+            f"completions scored (reward.max_failure_fraction: {fraction}); its first "
+            f"error, on prompt {index} ({self.config.path} "
+            f"{self.where(self.source_rows[index])}): {first}"
+        )
 
 
 def _rows_digest(rows: Sequence[Mapping[str, Any]]) -> str:
@@ -401,5 +528,6 @@ __all__ = [
     "TooLong",
     "file_digest",
     "load_rows",
+    "scan_rows",
     "vocab_fingerprint",
 ]

@@ -23,8 +23,9 @@ Anything else must be ``package.module:function`` naming an importable function.
 A reward that raises (or returns something that is not a finite number) is a
 :class:`RewardResult` with ``error`` set; :class:`RewardConfig.on_error` says what the
 run does with it: ``drop_group`` fails the sibling without retry (a ``SiblingFailed``
-event carrying the message; the group is dropped and the drop policy fills its slot) and
-``zero`` scores the sample 0.0 and counts it. Either way the run goes on.
+event with ``cause="reward"`` carrying the message; the group is dropped and the drop
+policy fills its slot) and ``zero`` scores the sample 0.0 and counts it. Either way the
+run goes on, until failures pass ``max_failure_fraction``: then it stops.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from rolloutlog.controller.rollout_runtime import RunStoppedError
 from rolloutlog.eventstore.errors import RolloutlogError
 
 RewardFn = Callable[..., float]
@@ -67,6 +69,15 @@ class RewardConfig(BaseModel):
         description="A reward that raises: drop_group fails the sibling without retry (its "
         "group is dropped, the message is in the SiblingFailed event); zero scores the "
         "sample 0.0 and counts it.",
+    )
+    max_failure_fraction: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="Stop the run (non-zero exit, naming the reward and its first error) "
+        "at a reward failure once a step's worth of completions has been scored and more "
+        "than this fraction of them failed, or all of them did (1.0: only then). Not part "
+        "of the dataset fingerprint.",
     )
 
     @field_validator("name")
@@ -98,6 +109,12 @@ class RewardResult:
 
 class RewardFailedError(RolloutlogError):
     """Raised (under ``on_error: drop_group``) for a completion whose reward failed."""
+
+
+class RewardFailureLimitError(RunStoppedError):
+    """Raised for a completion whose reward failed when reward failures are past
+    ``reward.max_failure_fraction``: the run stops (the message names the reward, the
+    counts and the first error)."""
 
 
 def final_answer(text: str) -> str:
@@ -238,6 +255,7 @@ __all__ = [
     "Reward",
     "RewardConfig",
     "RewardFailedError",
+    "RewardFailureLimitError",
     "RewardFn",
     "RewardResult",
     "exact_match",

@@ -77,7 +77,7 @@ def demo(
                 # Early, before the first checkpoint: the worker's crash comes later.
                 "kill_engine_at_step": max(1, checkpoint_every // 2) if kill_engine else None,
             },
-            "model": {"dir": str(work / "tiny-model")},
+            "model": {"dir": str(work / "tiny-model"), "build": "tiny"},
             "store": {"url": db_url},
         }
     )
@@ -178,14 +178,18 @@ def _print_summary(console: Console, s: dict[str, Any]) -> None:
 @click.command("run")
 @click.argument("config", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--run-id", default=None, help="Run id (default: the config's, or generated).")
+@click.option(
+    "--db", "db_url", default=None, help="Log database URL (default: the config's store.url)."
+)
 @flag("--resume", "Restore from the newest model checkpoint's offset.")
 @json_option("Print progress as JSON lines.")
-def run(config: Path, run_id: str | None, resume: bool, as_json: bool) -> None:
+def run(config: Path, run_id: str | None, db_url: str | None, resume: bool, as_json: bool) -> None:
     """Run the training configured in CONFIG (YAML; see configs/)."""
     import asyncio
     from datetime import UTC, datetime
 
     require_extra("torch", "rolloutlog run")
+    from rolloutlog.controller.config import StoreConfig
     from rolloutlog.grpo.loop import run_training
     from rolloutlog.grpo.run_config import load_run_config
 
@@ -193,6 +197,13 @@ def run(config: Path, run_id: str | None, resume: bool, as_json: bool) -> None:
         cfg = load_run_config(config)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
+    if db_url is not None:
+        # model_copy keeps which fields the config wrote (model.build reads it).
+        store = {**cfg.store.model_dump(exclude_unset=True), "url": db_url}
+        try:
+            cfg = cfg.model_copy(update={"store": StoreConfig.model_validate(store)})
+        except ValueError as exc:
+            raise click.ClickException(f"--db {db_url}: {exc}") from exc
     if cfg.backend == "vllm":
         require_extra("vllm", "rolloutlog run with backend vllm")
         from rolloutlog.grpo.loop import vllm_cpu_env
@@ -225,12 +236,19 @@ def run(config: Path, run_id: str | None, resume: bool, as_json: bool) -> None:
         result = asyncio.run(run_training(cfg, run_id=rid, resume=resume, progress=emit))
     except Exception as exc:
         from rolloutlog.controller.backends.base import BackendError
+        from rolloutlog.controller.backends.model_loader import ModelDirError
         from rolloutlog.controller.domain.errors import DomainError
+        from rolloutlog.controller.rollout_runtime import RunStoppedError
         from rolloutlog.eventstore import StoreError
 
-        # A log, domain or backend error (e.g. an unreachable backend) is the user's to
-        # fix: one clear line, no traceback. The run is restorable from its log.
-        if isinstance(exc, StoreError | DomainError | BackendError | ConfigError):
+        # A log, domain or backend error (e.g. an unreachable backend), a model directory
+        # that cannot be loaded, a run stopped for a reason it names (e.g. a failing
+        # reward) are the user's to fix: one clear line, no traceback. The run is
+        # restorable from its log.
+        if isinstance(
+            exc,
+            StoreError | DomainError | BackendError | ConfigError | ModelDirError | RunStoppedError,
+        ):
             raise click.ClickException(str(exc)) from exc
         raise
     if result.steps_trained == 0 and result.stopped is None:
@@ -244,6 +262,7 @@ def run(config: Path, run_id: str | None, resume: bool, as_json: bool) -> None:
     from rolloutlog.grpo.workload import run_summary
 
     summary = run_summary(cfg, rid, result.workload, stopped=result.stopped)
+    summary["policy_dir"] = result.policy_dir
     if as_json:
         click.echo(json.dumps(summary, default=str))
     elif result.steps_trained == 0:
@@ -256,3 +275,10 @@ def run(config: Path, run_id: str | None, resume: bool, as_json: bool) -> None:
         )
         if result.stopped is not None:
             click.echo(f"run {rid}: stopped early: {result.stopped}")
+    if not as_json and result.policy_dir is not None:
+        click.echo(f"run {rid}: policy saved as a Hugging Face model in {result.policy_dir}")
+    if not as_json and summary.get("reward_failures"):
+        click.echo(
+            f"run {rid}: {summary['reward_failures']} of {summary['rewards_scored']} "
+            f"completions failed their reward; first: {summary['reward_first_error']}"
+        )

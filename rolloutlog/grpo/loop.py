@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import re
+import shutil
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from rolloutlog.controller.domain.errors import RestoreError
 from rolloutlog.controller.rollout_controller import RecoveryReport, RolloutController
 from rolloutlog.controller.rollout_runtime import DataExhaustedError, RolloutRuntime
 from rolloutlog.controller.workloads.dataset import PromptDataset
+from rolloutlog.controller.workloads.rewards import RewardFailureLimitError
 from rolloutlog.eventstore import EpochFencedError, EventStore
 from rolloutlog.grpo.workload import check_model_fits, dataset_prompts, prepare_model_dir
 
@@ -207,6 +209,28 @@ def _save_checkpoint(
     return final
 
 
+def export_dir(cfg: RunConfig, run_id: str, step: int) -> Path:
+    """The Hugging Face directory the policy of checkpoint ``step`` is exported to."""
+    return checkpoint_dir(cfg, run_id) / f"step-{step:06d}.hf"
+
+
+def _export_policy(cfg: RunConfig, run_id: str, model: Any, tokenizer: Any, step: int) -> Path:
+    """Write the policy as a Hugging Face model directory (``save_pretrained`` of the model
+    and its tokenizer), under a temporary name renamed into place; older exports of the
+    run are removed (the ``.pt`` checkpoints keep every step for resumes)."""
+    final = export_dir(cfg, run_id, step)
+    tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:6]}.tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if final.exists():  # a resume that re-trains a step: the new weights win
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in final.parent.glob("step-*.hf"):
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
 @dataclass
 class TrainingResult:
     """What one process of the loop did."""
@@ -220,6 +244,8 @@ class TrainingResult:
     workload: dict[str, Any] = field(default_factory=dict)
     #: Why the run ended before ``steps`` (the data ran out), or ``None``.
     stopped: str | None = None
+    #: The Hugging Face directory of the newest checkpoint's policy (``export_hf``).
+    policy_dir: str | None = None
 
 
 async def run_training(
@@ -333,6 +359,7 @@ async def run_training(
                         }
                     )
             stopped: str | None = None
+            exported: Path | None = None
             last = first
             for step in range(first, cfg.steps):
                 if step == cfg.fleet.kill_engine_at_step and isinstance(
@@ -344,12 +371,28 @@ async def run_training(
                 try:
                     batch = await runtime.next_batch(step)
                 except DataExhaustedError as exc:
+                    if isinstance(prompts, PromptDataset):
+                        # Reward failures drop groups, and so use up data: a run that ran
+                        # out because of them says so (and past the limit, fails).
+                        limit = prompts.failure_limit(final=True)
+                        if limit is not None:
+                            raise RewardFailureLimitError(limit) from exc
+                        first_error = prompts.stats.reward_first_error
+                        dropping = prompts.reward_config.on_error == "drop_group"
+                        if first_error is not None and dropping:
+                            exc = DataExhaustedError(
+                                f"{exc}; {prompts.stats.reward_failures} of "
+                                f"{prompts.stats.rewards_scored} completions failed their "
+                                f"reward, each dropping its group (first: {first_error[1]})"
+                            )
                     # Out of data: end cleanly at the last trained step, saying so, with a
                     # checkpoint there (unless the last step already wrote one).
                     stopped = str(exc)
                     if step > first and step % cfg.checkpoint_every != 0:
                         offset = await runtime.checkpoint(step)
                         _save_checkpoint(cfg, run_id, trainer, step, offset, version)
+                        if cfg.export_hf:
+                            exported = _export_policy(cfg, run_id, trainer.model, tokenizer, step)
                     emit({"event": "data_exhausted", "step": step, "message": stopped})
                     break
                 last = step + 1
@@ -372,6 +415,9 @@ async def run_training(
                     offset = await runtime.checkpoint(step + 1)
                     path = _save_checkpoint(cfg, run_id, trainer, step + 1, offset, version)
                     msg["checkpoint"] = {"offset": offset, "path": str(path)}
+                    if cfg.export_hf:
+                        exported = _export_policy(cfg, run_id, trainer.model, tokenizer, step + 1)
+                        msg["checkpoint"]["policy_dir"] = str(exported)
                 # Progress only once the log holds the step: a controller fenced by a
                 # takeover must never report a step the log refused.
                 msg["offset"] = await controller.aflush()
@@ -402,7 +448,16 @@ async def run_training(
             workload["reward_failures_dropped"] = runtime.stats.reward_failures
         if stopped is None:
             last = cfg.steps
-        return TrainingResult(run_id, first, last - first, rewards, recovery, workload, stopped)
+        return TrainingResult(
+            run_id,
+            first,
+            last - first,
+            rewards,
+            recovery,
+            workload,
+            stopped,
+            None if exported is None else str(exported),
+        )
     finally:
         store.close()
 

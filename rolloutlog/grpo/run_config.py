@@ -39,7 +39,9 @@ class ModelConfig(BaseModel):
     build: Literal["tiny", "none"] = Field(
         "tiny",
         description="tiny: build the tiny demo model into dir when dir holds no model (a "
-        "model already there is loaded as it is); none: dir must hold a model.",
+        "model already there is loaded as it is); as the default (not written out) only into "
+        "the default dir or one the tiny model was built in: a missing dir the config names "
+        "is refused. none: dir must hold a model.",
     )
     seed: int = Field(0, ge=0, description="Seed of the initial weights (build: tiny).")
     max_model_len: int = Field(64, ge=8, description="Prompt + completion tokens per sibling.")
@@ -83,6 +85,12 @@ class RunConfig(BaseModel):
     checkpoint_every: int = Field(5, ge=1, description="Checkpoint after every N train steps.")
     checkpoint_dir: str = Field(
         "runs/checkpoints", description="Model checkpoints (each stores its rollout offset)."
+    )
+    export_hf: bool = Field(
+        True,
+        description="At each checkpoint, also write the policy as a Hugging Face model "
+        "directory (save_pretrained of model and tokenizer): checkpoint_dir/<run_id>/"
+        "step-NNNNNN.hf, the newest one kept.",
     )
     backend: BackendKind = Field("torch", description="Generation backend.")
     seed: int = Field(0, ge=0, description="Seed of the trainer and the sampler.")

@@ -9,7 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rolloutlog.controller.backends.model_loader import check_model_dir, tokenizer_fingerprint
+from rolloutlog.controller.backends.model_loader import (
+    ModelDirError,
+    check_model_dir,
+    tokenizer_fingerprint,
+)
 from rolloutlog.controller.config import ConfigError
 from rolloutlog.controller.workloads.dataset import DatasetError, PromptDataset
 from rolloutlog.controller.workloads.rewards import RewardConfig
@@ -20,10 +24,21 @@ from .tiny_model import SPEC_MARKER, TinyModelSpec, build_tiny_model
 
 def prepare_model_dir(model: ModelConfig) -> Path:
     """The policy's directory, checked; under ``build: tiny`` the tiny model is built there
-    first unless the directory already holds another model (which is then used as is)."""
+    first unless the directory already holds another model (which is then used as is).
+
+    ``build: tiny`` is the default, but it builds into a ``dir`` the config names only
+    when it is written out (or ``dir`` already holds the tiny model): a mistyped ``dir``
+    is refused instead of silently training the demo's tiny model."""
     path = Path(model.dir)
     if model.build == "tiny":
         foreign = (path / "config.json").is_file() and not (path / SPEC_MARKER).is_file()
+        asked = "build" in model.model_fields_set or "dir" not in model.model_fields_set
+        if not foreign and not asked and not (path / SPEC_MARKER).is_file():
+            what = "does not exist" if not path.exists() else "holds no model (no config.json)"
+            raise ModelDirError(
+                f"model directory {path} {what}; write model.build: tiny to build the tiny "
+                "demo model there"
+            )
         if not foreign:
             build_tiny_model(
                 path,
@@ -56,9 +71,11 @@ def dataset_prompts(cfg: RunConfig, tokenizer: Any, model_dir: Path) -> PromptDa
             cfg.reward if cfg.reward is not None else RewardConfig(),
             tokenizer,
             tokenizer_fingerprint=tokenizer_fingerprint(model_dir),
+            failure_window=cfg.rollout.groups_per_step * cfg.rollout.group_size,
         )
     except (DatasetError, ValueError) as exc:
         raise ConfigError(f"dataset: {exc}") from exc
+    check_round_trip(prompts, tokenizer, model_dir)
     longest = max(len(prompts.prompt_token_ids(i)) for i in range(prompts.num_prompts))
     room = cfg.model.max_model_len - cfg.generation.max_tokens
     if longest > room:
@@ -75,6 +92,33 @@ def dataset_prompts(cfg: RunConfig, tokenizer: Any, model_dir: Path) -> PromptDa
             f"{prompts.num_prompts * cfg.passes // gps}"
         )
     return prompts
+
+
+#: Prompts whose text is checked to survive ``decode(encode(text))``.
+ROUND_TRIP_SAMPLE = 8
+
+
+def _comparable(text: str) -> str:
+    # Tokenizers may lower-case and normalise whitespace; they must not lose characters.
+    return " ".join(text.casefold().split())
+
+
+def check_round_trip(prompts: PromptDataset, tokenizer: Any, model_dir: Path) -> None:
+    """Refuse (``ConfigError``) a tokenizer that does not give back the text of the first
+    prompts (case and whitespace runs aside): e.g. one loaded as another class than its
+    files were written for, which drops the spaces of a character-level vocabulary."""
+    for index in range(min(ROUND_TRIP_SAMPLE, prompts.num_prompts)):
+        number = prompts.source_rows[index]
+        text = prompts.prompt_text(number, prompts.example(index))
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        back = str(tokenizer.decode(ids, skip_special_tokens=True))
+        if _comparable(back) != _comparable(text):
+            raise ConfigError(
+                f"model: the tokenizer of {model_dir} ({type(tokenizer).__name__}) does not "
+                f"round-trip the prompts: {text!r} ({prompts.where(number)}) decodes back as "
+                f"{back!r}; check the tokenizer files (tokenizer_config.json's "
+                "tokenizer_class) and that the tokenizer covers the data's characters"
+            )
 
 
 def run_summary(
@@ -119,4 +163,11 @@ def run_summary(
     }
 
 
-__all__ = ["check_model_fits", "dataset_prompts", "prepare_model_dir", "run_summary"]
+__all__ = [
+    "ROUND_TRIP_SAMPLE",
+    "check_model_fits",
+    "check_round_trip",
+    "dataset_prompts",
+    "prepare_model_dir",
+    "run_summary",
+]

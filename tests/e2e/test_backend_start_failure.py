@@ -23,7 +23,7 @@ def test_a_backend_that_cannot_be_made_closes_the_controller(
             "steps": 2,
             "backend": "deterministic",
             "checkpoint_dir": str(tmp_path / "checkpoints"),
-            "model": {"dir": str(tmp_path / "model")},
+            "model": {"dir": str(tmp_path / "model"), "build": "tiny"},
             "store": {"url": f"sqlite:///{tmp_path / 'log.db'}"},
         }
     )

@@ -21,7 +21,7 @@ def _config(tmp_path: Path) -> RunConfig:
             "checkpoint_every": 3,
             "checkpoint_dir": str(tmp_path / "checkpoints"),
             "backend": "deterministic",
-            "model": {"dir": str(tmp_path / "tiny-model")},
+            "model": {"dir": str(tmp_path / "tiny-model"), "build": "tiny"},
             "store": {"url": f"sqlite:///{tmp_path / 'log.db'}"},
         }
     )

@@ -64,7 +64,10 @@ def _survivors(group_ids: set[int], deadline_s: float = 10.0) -> list[int]:
 
 def _cfg(tmp_path: Path) -> RunConfig:
     return RunConfig.model_validate(
-        {"store": {"url": f"sqlite:///{tmp_path / 'log.db'}"}, "model": {"dir": str(tmp_path)}}
+        {
+            "store": {"url": f"sqlite:///{tmp_path / 'log.db'}"},
+            "model": {"dir": str(tmp_path), "build": "tiny"},
+        }
     )
 
 

@@ -32,7 +32,7 @@ def _cfg(tmp_path: Path) -> RunConfig:
             "checkpoint_every": 2,
             "checkpoint_dir": str(tmp_path / "checkpoints"),
             "backend": "deterministic",
-            "model": {"dir": str(tmp_path / "model")},
+            "model": {"dir": str(tmp_path / "model"), "build": "tiny"},
             "store": {"url": f"sqlite:///{tmp_path / 'log.db'}"},
         }
     )

@@ -157,3 +157,74 @@ def test_unreachable_backend_is_a_clear_error_and_the_run_resumes(
         assert check.prompts_lost == 0 and check.prompts_trained_twice == 0
     finally:
         store.close()
+
+
+def test_a_mistyped_model_dir_is_one_clear_error(tmp_path: Path) -> None:
+    cfg = yaml.safe_load((REPO / "configs" / "sqlite-torch.yaml").read_text())
+    cfg["model"] = {"dir": str(tmp_path / "my-modle")}  # build: tiny not written out
+    cfg["store"]["url"] = f"sqlite:///{tmp_path / 'log.db'}"
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    res = _cli("run", str(path))
+    assert res.exit_code == 1, res.output
+    assert "Error: model directory" in res.output
+    assert "my-modle does not exist; write model.build: tiny" in res.output
+    assert not (tmp_path / "my-modle").exists()
+
+
+def _boom_workload(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "cli_boom.py").write_text(
+        "def boom(completion, answer, example):\n    raise RuntimeError('bad judge')\n"
+    )
+    monkeypatch.syspath_prepend(str(mods))
+    monkeypatch.chdir(REPO)  # the shipped config names configs/data/arith.jsonl
+    cfg = yaml.safe_load((REPO / "configs" / "real-workload.yaml").read_text())
+    cfg["backend"] = "deterministic"
+    cfg["checkpoint_dir"] = str(tmp_path / "checkpoints")
+    cfg["model"]["dir"] = str(tmp_path / "tiny-model")
+    cfg["store"]["url"] = f"sqlite:///{tmp_path / 'log.db'}"
+    cfg["reward"] = {"name": "cli_boom:boom"}
+    path = tmp_path / "boom.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_a_reward_that_always_raises_exits_nonzero_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: exit 0, "stopped early: the data ran out", 0 prompts trained.
+    path = _boom_workload(tmp_path, monkeypatch)
+    res = _cli("run", str(path), "--run-id", "boom")
+    assert res.exit_code == 1, res.output
+    assert "Error: the reward 'cli_boom:boom' failed on" in res.output
+    assert "reward cli_boom:boom raised RuntimeError: bad judge" in res.output
+    assert "the data ran out" not in res.output
+
+
+def test_run_takes_the_log_from_db(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, steps=1, backend="deterministic")
+    other = tmp_path / "other.db"
+    res = _cli("run", str(cfg), "--run-id", "d", "--db", f"sqlite:///{other}", "--json")
+    assert res.exit_code == 0, res.output
+    assert other.is_file() and not (tmp_path / "log.db").exists()
+    store = EventStore.open(f"sqlite:///{other}")
+    try:
+        assert sorted(build_ledger(store, "d").step_rewards) == [0]
+    finally:
+        store.close()
+    bad = _cli("run", str(cfg), "--db", "mysql://x")
+    assert bad.exit_code == 1 and "Error: unsupported database 'mysql'" in bad.output
+
+
+def test_a_fingerprint_refusal_suggests_no_option_run_lacks(tmp_path: Path) -> None:
+    first = _config(tmp_path, steps=1, backend="deterministic")
+    assert _cli("run", str(first), "--run-id", "fp").exit_code == 0
+    other = _config(tmp_path, steps=2, backend="deterministic", task={"num_prompts": 100})
+    res = _cli("run", str(other), "--run-id", "fp", "--resume")
+    assert res.exit_code == 1, res.output
+    assert "Error: config fingerprint mismatch for run 'fp' (the dataset differs" in res.output
+    # Before: "...; restore with the run's own config, or force" (run has no --force).
+    assert "or force" not in res.output
+    assert "restore(force=True)" in res.output

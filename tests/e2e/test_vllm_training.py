@@ -34,7 +34,7 @@ def _cfg(tmp_path: Path, steps: int) -> RunConfig:
             "checkpoint_every": 2,
             "checkpoint_dir": str(tmp_path / "checkpoints"),
             "backend": "vllm",
-            "model": {"dir": str(tmp_path / "tiny-model"), "max_model_len": 64},
+            "model": {"dir": str(tmp_path / "tiny-model"), "max_model_len": 64, "build": "tiny"},
             "store": {"url": f"sqlite:///{tmp_path / 'log.db'}"},
             "generation": {"max_in_flight_siblings": 64, "max_tokens": 8},
         }

@@ -28,7 +28,7 @@ def _cfg(tmp_path: Path, *, steps: int, port: int) -> RunConfig:
             "checkpoint_every": 1,
             "checkpoint_dir": str(tmp_path / "checkpoints"),
             "backend": "deterministic",
-            "model": {"dir": str(tmp_path / "model")},
+            "model": {"dir": str(tmp_path / "model"), "build": "tiny"},
             "store": {"url": f"sqlite:///{tmp_path / 'log.db'}"},
             "telemetry": {"enabled": True, "port": port},
         }

@@ -50,7 +50,7 @@ def _config(tmp: Path, port: int, steps: int) -> RunConfig:
             "checkpoint_every": 5,
             "checkpoint_dir": str(tmp / "checkpoints"),
             "backend": "torch",  # real generation paces the run for 1 s scrapes
-            "model": {"dir": str(tmp / "model")},
+            "model": {"dir": str(tmp / "model"), "build": "tiny"},
             "store": {"url": f"sqlite:///{tmp / 'log.db'}"},
             "telemetry": {"enabled": True, "port": port},
             "task": {"num_prompts": 6000},  # enough for the re-run steps too

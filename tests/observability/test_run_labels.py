@@ -115,7 +115,7 @@ def test_run_prints_the_exporter_url_without_json(tmp_path: Path) -> None:
                 "checkpoint_every": 1,
                 "checkpoint_dir": str(tmp_path / "checkpoints"),
                 "backend": "deterministic",
-                "model": {"dir": str(tmp_path / "model")},
+                "model": {"dir": str(tmp_path / "model"), "build": "tiny"},
                 "store": {"url": f"sqlite:///{tmp_path / 'log.db'}"},
                 "telemetry": {"enabled": True, "port": 0},
             }

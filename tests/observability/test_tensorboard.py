@@ -81,7 +81,7 @@ def killed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[RunConfig, Pat
             "checkpoint_every": 5,
             "checkpoint_dir": str(tmp / "checkpoints"),
             "backend": "deterministic",
-            "model": {"dir": str(tmp / "model")},
+            "model": {"dir": str(tmp / "model"), "build": "tiny"},
             "store": {"url": f"sqlite:///{tmp / 'log.db'}"},
             "telemetry": {"tensorboard_dir": str(tmp / "tb")},
             "task": {"num_prompts": 1000},

@@ -11,7 +11,11 @@ import pytest
 from rolloutlog.controller.backends.model_loader import load_causal_lm, tokenizer_fingerprint
 from rolloutlog.controller.workloads.arith import generate_arith
 from rolloutlog.controller.workloads.dataset import DatasetConfig, DatasetError, PromptDataset
-from rolloutlog.controller.workloads.rewards import RewardConfig, RewardFailedError
+from rolloutlog.controller.workloads.rewards import (
+    RewardConfig,
+    RewardFailedError,
+    RewardFailureLimitError,
+)
 
 from .conftest import write_jsonl
 
@@ -43,15 +47,58 @@ def test_template_fills_row_fields_and_rewards_score_completions(qa_jsonl: Path,
 
 def test_prompt_field_and_missing_fields_are_named(tmp_path: Path, tiny_tok) -> None:  # type: ignore[no-untyped-def]
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi", "answer": "1"}, {"answer": "2"}])
-    with pytest.raises(DatasetError, match=r"row 1: prompt field 'prompt' is missing"):
+    with pytest.raises(DatasetError, match=r"line 2: prompt field 'prompt' is missing"):
         _ds(path, tiny_tok)
     path = write_jsonl(tmp_path / "t.jsonl", [{"q": "hi", "answer": "1"}])
-    with pytest.raises(DatasetError, match=r"row 0: template field 'question' missing"):
+    with pytest.raises(DatasetError, match=r"line 1: template field 'question' missing"):
         _ds(path, tiny_tok, template=TEMPLATE)
     with pytest.raises(DatasetError, match="answer field 'solution' missing"):
         _ds(path, tiny_tok, prompt_field="q", answer_field="solution")
     with pytest.raises(DatasetError, match="does not exist"):
         _ds(tmp_path / "nope.jsonl", tiny_tok)
+
+
+def test_a_row_without_a_template_field_is_refused_naming_its_line(
+    tmp_path: Path,
+    tiny_tok,  # type: ignore[no-untyped-def]
+) -> None:
+    # datasets unifies the schema: the third row's missing "question" would be None and
+    # the prompt the text "None".
+    path = tmp_path / "q.jsonl"
+    path.write_text('{"question": "what is 1 + 1?", "answer": "2"}\n\n{"answer": "3"}\n')
+    with pytest.raises(
+        DatasetError, match=r"q.jsonl line 3: template field 'question' missing \(fields: answer\)"
+    ):
+        _ds(path, tiny_tok, template=TEMPLATE)
+    import pandas as pd
+
+    frame = pd.DataFrame({"question": ["what is 1 + 1?", None], "answer": ["2", "3"]})
+    frame.to_parquet(tmp_path / "q.parquet")
+    with pytest.raises(DatasetError, match=r"q.parquet row index 1: template field 'question'"):
+        _ds(tmp_path / "q.parquet", tiny_tok, template=TEMPLATE)
+    (tmp_path / "q.csv").write_text('question,answer\n"what is\n1 + 1?",2\n,3\n')
+    with pytest.raises(DatasetError, match=r"q.csv line 4: template field 'question'"):
+        _ds(tmp_path / "q.csv", tiny_tok, template=TEMPLATE)
+
+
+def test_malformed_and_empty_files_name_the_line_or_say_empty(
+    tmp_path: Path,
+    tiny_tok,  # type: ignore[no-untyped-def]
+) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "a", "answer": "1"}\n{"question": "b", "answer": \n')
+    with pytest.raises(DatasetError, match=r"bad.jsonl line 2: not valid JSON: Expecting value"):
+        _ds(bad, tiny_tok, template=TEMPLATE)
+    bad.write_text('{"question": "a", "answer": "1"}\n[1, 2]\n')
+    with pytest.raises(DatasetError, match=r"bad.jsonl line 2: a JSON list, not an object"):
+        _ds(bad, tiny_tok, template=TEMPLATE)
+    for name, text in (("e.jsonl", "\n\n"), ("e.csv", ""), ("e.json", " "), ("e.parquet", "")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(DatasetError, match=rf"dataset file .*{name} is empty"):
+            _ds(tmp_path / name, tiny_tok, template=TEMPLATE)
+    (tmp_path / "h.csv").write_text("question,answer\n")
+    with pytest.raises(DatasetError, match=r"h.csv has a header line but no rows"):
+        _ds(tmp_path / "h.csv", tiny_tok, template=TEMPLATE)
 
 
 def test_max_prompt_length_policy_is_applied_and_counted(qa_jsonl: Path, tiny_tok) -> None:  # type: ignore[no-untyped-def]
@@ -63,7 +110,7 @@ def test_max_prompt_length_policy_is_applied_and_counted(qa_jsonl: Path, tiny_to
     cut = trunc.prompt_token_ids(11)
     assert len(cut) == 40 and cut[0] == tiny_tok.bos_token_id
     assert tiny_tok.decode(cut, skip_special_tokens=True).endswith("1?\nanswer:")
-    with pytest.raises(DatasetError, match=r"row 11: prompt is .* over max_prompt_tokens 40"):
+    with pytest.raises(DatasetError, match=r"line 12: prompt is .* over max_prompt_tokens 40"):
         _ds(qa_jsonl, tiny_tok, template=TEMPLATE, max_prompt_tokens=40, too_long="error")
     with pytest.raises(DatasetError, match="yields no prompts"):
         _ds(qa_jsonl, tiny_tok, template=TEMPLATE, max_prompt_tokens=3)
@@ -172,6 +219,62 @@ def test_user_reward_and_failure_policy(
     assert zero.reward(0, one) == 0.0
     assert zero.stats.reward_failures == 1
     assert zero.stats.reward_errors[0][0] == 0
+
+
+def test_reward_failures_past_the_limit_stop_naming_the_reward_and_its_first_error(
+    qa_jsonl: Path,
+    tiny_tok,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+) -> None:
+    (tmp_path / "qa_boom.py").write_text(
+        "def boom(completion, answer, example):\n    raise KeyError(example['question'])\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    one = tiny_tok.encode("1", add_special_tokens=False)
+    for policy in ("drop_group", "zero"):
+        reward = RewardConfig(name="qa_boom:boom", on_error=policy)
+        ds = PromptDataset(
+            DatasetConfig(path=str(qa_jsonl), template=TEMPLATE), reward, tiny_tok, failure_window=4
+        )
+        for index in (2, 0, 1):  # below the window: the policy applies
+            if policy == "zero":
+                assert ds.reward(index, one) == 0.0
+            else:
+                with pytest.raises(RewardFailedError):
+                    ds.reward(index, one)
+        with pytest.raises(
+            RewardFailureLimitError,
+            match=r"the reward 'qa_boom:boom' failed on 4 of the 4 completions scored "
+            r"\(reward.max_failure_fraction: 0.5\); its first error, on prompt 2 "
+            r"\(.*qa.jsonl line 3\): reward qa_boom:boom raised KeyError: 'what is 2 \+ 1\?'",
+        ):
+            ds.reward(3, one)
+        assert ds.stats.to_dict()["reward_failures"] == 4
+        assert ds.stats.to_dict()["rewards_scored"] == 4
+    # A run that ends before the window is judged on what it scored.
+    short = PromptDataset(
+        DatasetConfig(path=str(qa_jsonl), template=TEMPLATE),
+        RewardConfig(name="qa_boom:boom"),
+        tiny_tok,
+        failure_window=100,
+    )
+    with pytest.raises(RewardFailedError):
+        short.reward(0, one)
+    assert short.failure_limit() is None
+    assert "failed on 1 of the 1 completions" in str(short.failure_limit(final=True))
+    # The limit is how the run reacts, not what it computes: not in the fingerprint.
+    loose = RewardConfig(name="qa_boom:boom", max_failure_fraction=1.0)
+    assert (
+        PromptDataset(
+            DatasetConfig(path=str(qa_jsonl), template=TEMPLATE), loose, tiny_tok
+        ).fingerprint
+        == PromptDataset(
+            DatasetConfig(path=str(qa_jsonl), template=TEMPLATE),
+            RewardConfig(name="qa_boom:boom"),
+            tiny_tok,
+        ).fingerprint
+    )
 
 
 def test_shipped_arith_dataset_is_the_generator_output() -> None:

@@ -135,3 +135,63 @@ def test_trainer_weight_names_are_the_checkpoint_names(
     trainer = GRPOTrainer(model, GRPOConfig(), pad_token_id=tokenizer.pad_token_id)
     pushed = {name: tuple(t.shape) for name, t in trainer.named_weights()}
     assert pushed == checkpoint_shapes(model_dir)
+
+
+def test_a_mistyped_model_dir_is_refused_unless_build_tiny_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rolloutlog.grpo.run_config import RunConfig
+
+    # build: tiny is the default, but it no longer builds into a dir the config names
+    # unless it is written out: a typo must not train the demo's tiny model.
+    typo = RunConfig.model_validate({"model": {"dir": str(tmp_path / "my-modle")}})
+    with pytest.raises(ModelDirError, match=r"my-modle does not exist; write model.build: tiny"):
+        prepare_model_dir(typo.model)
+    assert not (tmp_path / "my-modle").exists()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelDirError, match=r"empty holds no model \(no config.json\)"):
+        prepare_model_dir(ModelConfig.model_validate({"dir": str(tmp_path / "empty")}))
+    asked = RunConfig.model_validate({"model": {"dir": str(tmp_path / "t"), "build": "tiny"}})
+    assert (prepare_model_dir(asked.model) / "model.safetensors").is_file()
+    # Once built there, the default reuses it; with no dir written, the default location
+    # is the demo model's and is built.
+    assert prepare_model_dir(ModelConfig.model_validate({"dir": str(tmp_path / "t")}))
+    monkeypatch.chdir(tmp_path)
+    assert (prepare_model_dir(ModelConfig()) / "model.safetensors").is_file()
+
+
+def test_a_tokenizer_that_does_not_round_trip_the_prompts_is_refused(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    import json
+
+    from rolloutlog.controller.config import ConfigError
+    from rolloutlog.grpo.run_config import RunConfig
+    from rolloutlog.grpo.workload import dataset_prompts
+
+    # transformers 5 loads these files as Qwen2Tokenizer when told so, which drops every
+    # space of the character-level vocabulary: "what is 2 + 3?" -> "whatis2+3?".
+    model_dir = tmp_path / "qwen-ish"
+    shutil.copytree(tiny_dir, model_dir)
+    conf = json.loads((model_dir / "tokenizer_config.json").read_text())
+    conf["tokenizer_class"] = "Qwen2Tokenizer"
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(conf))
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"question": "what is 2 + 3?", "answer": "5"}\n')
+    cfg = RunConfig.model_validate(
+        {
+            "steps": 1,
+            "model": {"dir": str(model_dir), "build": "none"},
+            "rollout": {"group_size": 2, "groups_per_step": 1, "spare_pool_size": 0},
+            "dataset": {"path": str(data), "template": "q: {question}"},
+        }
+    )
+    _model, tokenizer = load_causal_lm(model_dir)
+    with pytest.raises(
+        ConfigError,
+        match=r"tokenizer of .*qwen-ish \(Qwen2Tokenizer\) does not round-trip the prompts: "
+        r"'q: what is 2 \+ 3\?' \(line 1\) decodes back as 'q:whatis2\+3\?'",
+    ):
+        dataset_prompts(cfg, tokenizer, model_dir)
+    _model, tokenizer = load_causal_lm(tiny_dir)  # the files as written: accepted
+    assert dataset_prompts(cfg, tokenizer, tiny_dir).num_prompts == 1

@@ -179,3 +179,84 @@ def test_running_out_of_data_ends_the_run_cleanly_with_a_message(
     again = asyncio.run(run_training(cfg, run_id=RUN, resume=True))
     assert again.steps_trained == 0 and again.stopped is not None
     assert "the data ran out" in again.stopped
+
+
+def test_a_reward_that_always_raises_stops_the_run_naming_it(
+    tmp_path: Path, tiny_dir: Path, qa_jsonl: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rolloutlog.controller.metrics.projection import project_history
+    from rolloutlog.controller.workloads.rewards import RewardFailureLimitError
+
+    # Before: "stopped early: the data ran out", 0 prompts trained, exit 0; the
+    # exception only inside SiblingFailed events.
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "qa_always_boom.py").write_text(
+        "def boom(completion, answer, example):\n    raise ZeroDivisionError('no way')\n"
+    )
+    monkeypatch.syspath_prepend(str(mods))
+    cfg = _cfg(tmp_path, tiny_dir, qa_jsonl, reward={"name": "qa_always_boom:boom"})
+    with pytest.raises(
+        RewardFailureLimitError,
+        match=r"the reward 'qa_always_boom:boom' failed on 4 of the 4 completions scored "
+        r"\(reward.max_failure_fraction: 0.5\); its first error, on prompt \d+ "
+        r"\(.*qa.jsonl line \d+\): reward qa_always_boom:boom raised ZeroDivisionError: no way",
+    ):
+        asyncio.run(run_training(cfg, run_id=RUN, resume=False))
+    # Each failure is its own outcome in the log, and counted by the metrics.
+    failed = [e for e in _events(cfg.store.url) if isinstance(e, SiblingFailed)]
+    assert failed and {e.cause for e in failed} == {"reward"}
+    store = EventStore.open(cfg.store.url)
+    try:
+        counters = project_history(store, RUN).values()["counters"]
+    finally:
+        store.close()
+    assert counters["rollout_reward_failures_total"] == len(failed)
+
+
+@pytest.mark.usefixtures("picky")
+def test_running_out_of_data_names_the_reward_failures_that_used_it_up(
+    tmp_path: Path, tiny_dir: Path, qa_jsonl: Path
+) -> None:
+    cfg = _cfg(tmp_path, tiny_dir, qa_jsonl, steps=11, passes=2, checkpoint_every=20)
+    result = asyncio.run(run_training(cfg, run_id=RUN, resume=False))
+    assert result.stopped is not None and "the data ran out" in result.stopped
+    assert (
+        "completions failed their reward, each dropping its group (first: reward "
+        "qa_picky:picky raised ValueError: cannot judge zero)" in result.stopped
+    )
+    assert result.workload["reward_first_error"].endswith("cannot judge zero")
+    assert 0 < result.workload["reward_failures"] < result.workload["rewards_scored"]
+
+
+@pytest.mark.usefixtures("picky")
+def test_the_trained_policy_is_exported_as_a_hugging_face_directory(
+    tmp_path: Path, tiny_dir: Path, qa_jsonl: Path
+) -> None:
+    import torch
+
+    from rolloutlog.controller.backends.model_loader import load_causal_lm
+
+    cfg = _cfg(tmp_path, tiny_dir, qa_jsonl, steps=2, checkpoint_every=1)
+    result = asyncio.run(run_training(cfg, run_id=RUN, resume=False))
+    assert result.policy_dir is not None
+    policy = Path(result.policy_dir)
+    assert policy.name == "step-000002.hf"
+    # Only the newest export is kept; every .pt checkpoint stays for resumes.
+    folder = policy.parent
+    assert sorted(p.name for p in folder.glob("*.hf")) == ["step-000002.hf"]
+    assert sorted(p.name for p in folder.glob("*.pt")) == ["step-000001.pt", "step-000002.pt"]
+    model, tokenizer = load_causal_lm(policy)  # an ordinary model directory
+    assert tokenizer.decode(tokenizer.encode("what is 1 + 1?", add_special_tokens=False)) == (
+        "what is 1 + 1?"
+    )
+    done = latest_checkpoint(cfg, RUN)
+    assert done is not None
+    trained = torch.load(done.path, map_location="cpu", weights_only=False)["trainer"]["model"]
+    exported = model.state_dict()
+    assert exported.keys() == trained.keys()
+    assert all(torch.equal(exported[k], trained[k]) for k in trained)
+    # Off: no export.
+    off = _cfg(tmp_path / "off", tiny_dir, qa_jsonl, steps=1, export_hf=False)
+    assert asyncio.run(run_training(off, run_id=RUN, resume=False)).policy_dir is None
+    assert not list(Path(off.checkpoint_dir).rglob("*.hf"))

@@ -16,10 +16,10 @@ from typing import Any
 
 from rolloutlog.controller.domain.events import BatchSelected
 from rolloutlog.controller.rollout_controller import iter_history
-from rolloutlog.controller.workloads.run import run_summary
 from rolloutlog.eventstore import EventStore
 from rolloutlog.grpo.loop import run_training
 from rolloutlog.grpo.run_config import RunConfig
+from rolloutlog.grpo.workload import run_summary
 
 from .conftest import write_jsonl
 
