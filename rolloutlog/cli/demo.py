@@ -238,16 +238,22 @@ def run(config: Path, run_id: str | None, db_url: str | None, resume: bool, as_j
         from rolloutlog.controller.backends.base import BackendError
         from rolloutlog.controller.backends.model_loader import ModelDirError
         from rolloutlog.controller.domain.errors import DomainError
-        from rolloutlog.controller.rollout_runtime import RunStoppedError
+        from rolloutlog.controller.workloads.rewards import RewardFailureLimitError
         from rolloutlog.eventstore import StoreError
 
         # A log, domain or backend error (e.g. an unreachable backend), a model directory
         # that cannot be loaded, a run stopped for a reason it names (e.g. a failing
         # reward) are the user's to fix: one clear line, no traceback. The run is
-        # restorable from its log.
+        # restorable from its log. Other stops go through the CLI's generic one-line
+        # handler (type, first line, --debug for the traceback).
         if isinstance(
             exc,
-            StoreError | DomainError | BackendError | ConfigError | ModelDirError | RunStoppedError,
+            StoreError
+            | DomainError
+            | BackendError
+            | ConfigError
+            | ModelDirError
+            | RewardFailureLimitError,
         ):
             raise click.ClickException(str(exc)) from exc
         raise
