@@ -1,20 +1,35 @@
-"""The Ray launcher: two vLLM server engines inside Ray actors on a local Ray instance."""
+"""The Ray launcher.
+
+Two vLLM server engines inside Ray actors on a local Ray instance (``vllm``); and, without
+vLLM, a stand-in server (serves ``/health`` on ``--host``/``--port``, with a child in its
+group like vLLM's engine core) in actors on a real Ray head started by the tests in its own
+process group: SIGKILL of an actor, a wrong address, an engine that exits early, a failed
+actor start, and ``rolloutlog engines start|stop --placement ray``.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
 import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from rolloutlog.controller.engines.config import LaunchConfig
+from rolloutlog.controller.engines.local import EngineLaunchError, health_ok, stop_group
 from rolloutlog.grpo.tiny_model import build_tiny_model
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_two_engine_actors_serve_and_one_can_be_killed(tmp_path: Path) -> None:
     for module in ("ray", "vllm", "httpx"):
         if importlib.util.find_spec(module) is None:
@@ -22,7 +37,6 @@ def test_two_engine_actors_serve_and_one_can_be_killed(tmp_path: Path) -> None:
     from rolloutlog.controller.backends import GroupRequest, SamplingConfig, SiblingSpec
     from rolloutlog.controller.backends.fleet import EngineHealth, FleetBackend
     from rolloutlog.controller.backends.vllm_server import VLLMServerBackend
-    from rolloutlog.controller.engines.local import health_ok
     from rolloutlog.controller.engines.ray_launcher import RayEngineLauncher
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -74,5 +88,277 @@ def test_two_engine_actors_serve_and_one_can_be_killed(tmp_path: Path) -> None:
 
         asyncio.run(scenario())
         assert not health_ok(urls[1])
+    finally:
+        launcher.stop()
+
+
+# --- A real Ray head (own process group) and a stand-in server: no vLLM -----------------
+
+RAY_STAND_IN = r"""
+import http.server, os, subprocess, sys, time
+args = sys.argv[1:]
+host = args[args.index("--host") + 1]
+port = int(args[args.index("--port") + 1])
+if "--pid-file" in args:
+    with open(args[args.index("--pid-file") + 1], "a") as f:
+        f.write(f"{os.getpid()}\n")
+if "--fail" in args:
+    print("stand-in: failing on purpose", flush=True)
+    sys.exit(3)
+# A child in the same process group, like vLLM's engine core.
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer((host, port), H).serve_forever()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ray_cli() -> list[str]:
+    return [sys.executable, "-c", "from ray.scripts.scripts import main; main()"]
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Ray head in a process group of its own; the whole group is gone after the module."""
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("ray is not installed (extra [ray])")
+    tmp = tmp_path_factory.mktemp("ray")
+    port = _free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    head = subprocess.Popen(
+        [
+            *_ray_cli(), "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
+            "--include-dashboard=false", "--object-store-memory=200000000",
+            f"--ray-client-server-port={_free_port()}",
+            f"--dashboard-agent-listen-port={_free_port()}",
+            f"--temp-dir={tmp}", "--disable-usage-stats",
+        ],
+        env=env, stdout=(tmp / "head.log").open("wb"), stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while not _gcs_up(port):
+            assert head.poll() is None, (tmp / "head.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "the Ray head did not start within 90 s"
+            time.sleep(0.5)
+        yield f"127.0.0.1:{port}"
+    finally:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        stop_group(head.pid, 5.0)  # SIGKILL after 5 s: nothing of it may survive
+        head.wait(timeout=10)
+
+
+def _gcs_up(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def ray_stand_in(tmp_path: Path) -> str:
+    script = tmp_path / "ray_stand_in.py"
+    script.write_text(RAY_STAND_IN)
+    exe = tmp_path / "python"
+    exe.write_text(f'#!/bin/sh\nshift 2\nexec {sys.executable} {script} "$@"\n')
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    return str(exe)
+
+
+@pytest.fixture
+def fake_model(tmp_path: Path) -> Path:
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    return d
+
+
+def _ray_config(address: str, model: Path, logs: Path, **kw: object) -> LaunchConfig:
+    logs.mkdir(exist_ok=True)
+    base: dict[str, object] = dict(
+        placement="ray", count=1, model_dir=model, ray_address=address, ready_timeout_s=60,
+        stop_timeout_s=3, log_dir=logs,
+    )  # fmt: skip
+    base.update(kw)
+    return LaunchConfig(**base)  # type: ignore[arg-type]
+
+
+def _ppid(pid: int) -> int:
+    # /proc/PID/stat: "pid (comm) state ppid ..."; comm may hold spaces, so split after ")".
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _processes_running(needle: str) -> list[str]:
+    """Command lines of live processes that mention ``needle`` (zombies excluded)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if needle in cmdline and state != "Z":
+            found.append(cmdline)
+    return found
+
+
+def _wait_gone(pgid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _gone(pgid):
+            return True
+        time.sleep(0.1)
+    return _gone(pgid)
+
+
+@pytest.fixture
+def ray_launcher_cls(ray_head: str) -> Iterator[type]:
+    from rolloutlog.controller.engines.ray_launcher import RayEngineLauncher
+
+    yield RayEngineLauncher
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.mark.slow
+def test_sigkilled_actor_takes_its_server_with_it(
+    ray_launcher_cls: type, ray_head: str, ray_stand_in: str, fake_model: Path, tmp_path: Path
+) -> None:
+    import ray
+
+    launcher = ray_launcher_cls(
+        _ray_config(ray_head, fake_model, tmp_path / "logs"), python=ray_stand_in
+    )
+    try:
+        (url,) = launcher.start()
+        pgid = ray.get(launcher.actors[0].pid.remote(), timeout=30)
+        actor_pid = _ppid(pgid)  # the server group's leader is the actor's child
+        os.kill(actor_pid, signal.SIGKILL)
+        assert _wait_gone(pgid, 15), "the server group outlived its SIGKILLed actor"
+        assert not health_ok(url)
+        assert launcher.stop() == []
+    finally:
+        launcher.stop()
+
+
+@pytest.mark.slow
+def test_stop_reports_a_server_it_cannot_reach(
+    ray_launcher_cls: type, ray_head: str, ray_stand_in: str, fake_model: Path, tmp_path: Path
+) -> None:
+    import ray
+
+    launcher = ray_launcher_cls(
+        _ray_config(ray_head, fake_model, tmp_path / "logs"), python=ray_stand_in
+    )
+    pgid = -1
+    try:
+        (url,) = launcher.start()
+        pgid = ray.get(launcher.actors[0].pid.remote(), timeout=30)
+        # The actor and its server's tether both die at once: the server is orphaned.
+        actor_pid = _ppid(pgid)
+        os.kill(pgid, signal.SIGKILL)
+        os.kill(actor_pid, signal.SIGKILL)
+        not_stopped = launcher.stop()
+        assert len(not_stopped) == 1, not_stopped
+        assert url in not_stopped[0] and "still answers" in not_stopped[0]
+    finally:
+        launcher.stop()
+        if pgid > 0:
+            stop_group(pgid, 5.0)
+
+
+@pytest.mark.slow
+def test_wrong_ray_address_is_one_line_within_a_deadline(tmp_path: Path, fake_model: Path) -> None:
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("ray is not installed (extra [ray])")
+    address = f"127.0.0.1:{_free_port()}"  # nothing listens there
+    code = (
+        "from rolloutlog.controller.engines.config import LaunchConfig\n"
+        "from rolloutlog.controller.engines.ray_launcher import RayEngineLauncher\n"
+        "from rolloutlog.controller.engines.local import EngineLaunchError\n"
+        f"c = LaunchConfig(placement='ray', model_dir={str(fake_model)!r}, "
+        f"ray_address={address!r})\n"
+        "try:\n"
+        "    RayEngineLauncher(c).start()\n"
+        "except EngineLaunchError as exc:\n"
+        "    print('ERROR:', exc)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+    t0 = time.monotonic()
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        stop_group(proc.pid, 5.0)
+        proc.communicate()
+        pytest.fail("start() on a wrong Ray address was still blocked after 60 s")
+    assert time.monotonic() - t0 < 60
+    lines = [ln for ln in out.decode().splitlines() if ln.startswith("ERROR:")]
+    assert lines == [
+        f"ERROR: cannot reach the Ray cluster at {address} within 10 s (Connection refused); "
+        "is `ray start --head` running there?"
+    ], out.decode()
+
+
+@pytest.mark.slow
+def test_engine_that_exits_before_ready_names_cause_and_log(
+    ray_launcher_cls: type, ray_head: str, ray_stand_in: str, fake_model: Path, tmp_path: Path
+) -> None:
+    logs = tmp_path / "logs"
+    config = _ray_config(ray_head, fake_model, logs, extra_args=("--fail",))
+    launcher = ray_launcher_cls(config, python=ray_stand_in)
+    with pytest.raises(EngineLaunchError) as info:
+        launcher.start()
+    message = str(info.value)
+    assert "engine-0" in message and "exited with 3 before it was ready" in message
+    assert f"log {logs / 'engine-0.log'}" in message
+    assert "stand-in: failing on purpose" in message
+    assert launcher.actors == []
+
+
+@pytest.mark.slow
+def test_a_failed_actor_start_stops_the_servers_already_started(
+    ray_launcher_cls: type, ray_head: str, ray_stand_in: str, fake_model: Path, tmp_path: Path
+) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "engine-1.log").mkdir()  # engine 1's actor cannot open its log
+    config = _ray_config(ray_head, fake_model, logs, count=2)
+    launcher = ray_launcher_cls(config, python=ray_stand_in)
+    try:
+        with pytest.raises(EngineLaunchError, match=r"engine-1: its Ray actor could not start"):
+            launcher.start()
+        assert (logs / "engine-0.log").is_file()  # engine 0's server had been started
+        deadline = time.monotonic() + 10
+        while _processes_running(ray_stand_in):
+            assert time.monotonic() < deadline, _processes_running(ray_stand_in)
+            time.sleep(0.2)
     finally:
         launcher.stop()
