@@ -351,21 +351,27 @@ def stop_from_state(state: dict[str, Any]) -> tuple[list[str], list[str]]:
     if not ray.is_initialized():
         probe_address(str(address))
         ray.init(address=address, namespace=state.get("namespace", NAMESPACE), log_to_driver=False)
+    from rolloutlog.controller.engines.local import health_ok
+
     actors: list[Any] = []
     urls: list[str] = []
     ids: list[str] = []
-    missing: list[str] = []
+    gone: list[str] = []
+    problems: list[str] = []
     for engine in state["engines"]:
+        engine_id, url = str(engine["engine_id"]), str(engine["url"])
         try:
             actors.append(ray.get_actor(engine["actor"], namespace=state.get("namespace")))
-        except ValueError:
-            missing.append(
-                f"{engine['engine_id']} ({engine['url']}): no actor {engine['actor']} on the "
-                f"cluster (already gone)"
-            )
+        except ValueError:  # no such actor: gone already, and its server with it?
+            if health_ok(url):
+                problems.append(
+                    f"{engine_id} ({url}): its Ray actor is gone and its server still answers"
+                )
+            else:
+                gone.append(engine_id)
             continue
-        urls.append(str(engine["url"]))
-        ids.append(str(engine["engine_id"]))
-    not_stopped = _stop_actors(ray, actors, urls, ids, float(state.get("stop_timeout_s", 20.0)))
-    stopped = [e for e in ids if not any(n.startswith(f"{e} ") for n in not_stopped)]
-    return stopped, missing + not_stopped
+        urls.append(url)
+        ids.append(engine_id)
+    problems += _stop_actors(ray, actors, urls, ids, float(state.get("stop_timeout_s", 20.0)))
+    stopped = [e for e in ids if not any(n.startswith(f"{e} ") for n in problems)]
+    return stopped + gone, problems

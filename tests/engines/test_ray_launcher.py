@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import os
 import signal
 import socket
@@ -362,3 +363,63 @@ def test_a_failed_actor_start_stops_the_servers_already_started(
             time.sleep(0.2)
     finally:
         launcher.stop()
+
+
+def _cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """``rolloutlog ARGS`` in a process of its own (its own group; killed at the deadline)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from rolloutlog.cli import main; main()", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop_group(proc.pid, 5.0)
+        proc.communicate()
+        pytest.fail(f"rolloutlog {' '.join(args)} still running after {timeout} s")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.mark.slow
+def test_cli_starts_engines_on_a_ray_cluster_and_stops_them(
+    ray_head: str, ray_stand_in: str, fake_model: Path, tmp_path: Path
+) -> None:
+    state = tmp_path / "engines.json"
+    started = _cli(
+        "engines", "start", "--placement", "ray", "--ray-address", ray_head, "--count", "2",
+        "--model", str(fake_model), "--python", ray_stand_in, "--log-dir", str(tmp_path),
+        "--state-file", str(state), "--json",
+    )  # fmt: skip
+    try:
+        assert started.returncode == 0, started.stderr[-3000:]
+        urls = json.loads(started.stdout.splitlines()[-1])["urls"]
+        assert len(urls) == 2
+        # The command has exited; its detached actors and their servers serve on.
+        assert all(health_ok(u) for u in urls)
+        assert json.loads(state.read_text())["placement"] == "ray"
+        stopped = _cli("engines", "stop", "--state-file", str(state))
+        assert stopped.returncode == 0, stopped.stderr[-3000:]
+        assert stopped.stdout.split("\n")[:2] == ["stopped engine-0", "stopped engine-1"]
+        assert not any(health_ok(u) for u in urls)
+        assert not state.exists()
+    finally:
+        if state.exists():
+            _cli("engines", "stop", "--state-file", str(state))
+    assert _processes_running(ray_stand_in) == []
+
+
+def test_cli_ray_placement_needs_an_address(fake_model: Path, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from rolloutlog.cli import main
+
+    result = CliRunner().invoke(
+        main,
+        ["engines", "start", "--placement", "ray", "--model", str(fake_model),
+         "--state-file", str(tmp_path / "s.json")],
+    )  # fmt: skip
+    assert result.exit_code == 1
+    assert result.output.strip() == (
+        "Error: --placement ray needs --ray-address HOST:PORT of a running cluster "
+        "(`ray start --head` prints it)"
+    )
