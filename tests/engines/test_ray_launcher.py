@@ -255,6 +255,7 @@ def test_sigkilled_actor_takes_its_server_with_it(
     launcher = ray_launcher_cls(
         _ray_config(ray_head, fake_model, tmp_path / "logs"), python=ray_stand_in
     )
+    pgid = -1
     try:
         (url,) = launcher.start()
         pgid = ray.get(launcher.actors[0].pid.remote(), timeout=30)
@@ -265,6 +266,8 @@ def test_sigkilled_actor_takes_its_server_with_it(
         assert launcher.stop() == []
     finally:
         launcher.stop()
+        if pgid > 0:
+            stop_group(pgid, 5.0)  # nothing of the test survives it, even when it fails
 
 
 @pytest.mark.slow
