@@ -9,8 +9,8 @@ actor's node, under :mod:`~rolloutlog.controller.engines.tether` (the server gro
 with its actor: a SIGKILLed actor or ``ray stop`` leaves no server behind), picks a free
 port there, and reports the URL. The controller then talks HTTP to the engines exactly as
 to any other engine; Ray only places and supervises them. Works on a local ``ray.init()``
-and on an existing cluster by address (probed with a bounded TCP connect first:
-``ray.init`` on a wrong address waits without a deadline).
+and on an existing cluster by address (probed within a deadline first, see
+:func:`probe_address`: ``ray.init`` on a wrong address waits without one).
 
 Locally: ``ray.init(num_cpus=2, object_store_memory=200 MiB, include_dashboard=False)``
 (the object store is otherwise capped by a container's small ``/dev/shm``).
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 #: The Ray namespace of the named (detached) engine actors ``rolloutlog engines start`` leaves.
 NAMESPACE = "rolloutlog-engines"
-#: Seconds to reach a Ray cluster address (TCP) before ``ray.init``.
+#: Seconds to reach a Ray cluster address (TCP, HTTP/2) before ``ray.init``.
 CONNECT_TIMEOUT_S = 10.0
 #: Seconds for one actor to place itself and start its server process.
 ACTOR_START_TIMEOUT_S = 120.0
@@ -135,11 +135,18 @@ def _node_ip() -> str:
         return "127.0.0.1"
 
 
-def probe_address(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
-    """Raise :class:`EngineLaunchError` (one line) unless ``address``'s port accepts TCP.
+#: The HTTP/2 client connection preface and an empty SETTINGS frame (RFC 9113 3.4, 6.5).
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
 
-    ``ray.init(address=...)`` retries a wrong address with no deadline. ``auto`` and
-    ``local`` are Ray's own lookups and are not probed.
+
+def probe_address(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """Raise :class:`EngineLaunchError` (one line) unless ``address`` answers like Ray's GCS.
+
+    ``ray.init(address=...)`` retries a wrong address with no deadline. The probe connects
+    (TCP) and opens an HTTP/2 connection, as a gRPC client does: Ray's GCS (and a Ray
+    client server, ``ray://``) answers with a SETTINGS frame; a closed port, a host that
+    does not answer or a service of another protocol (the dashboard's HTTP port) fails
+    within ``timeout``. ``auto`` and ``local`` are Ray's own lookups and are not probed.
     """
     if address in ("auto", "local"):
         return
@@ -148,14 +155,31 @@ def probe_address(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
     if not sep or not port_text.isdigit() or not host:
         raise EngineLaunchError(f"Ray address {address!r} is not HOST:PORT (or ray://HOST:PORT)")
     try:
-        with socket.create_connection((host.strip("[]"), int(port_text)), timeout=timeout):
-            pass
+        with socket.create_connection((host.strip("[]"), int(port_text)), timeout=timeout) as s:
+            s.sendall(_H2_PREFACE)
+            head = _read_exactly(s, 9, time.monotonic() + timeout)
     except OSError as exc:
         reason = "no answer" if isinstance(exc, TimeoutError) else exc.strerror or str(exc)
         raise EngineLaunchError(
             f"cannot reach the Ray cluster at {address} within {timeout:g} s ({reason}); "
             f"is `ray start --head` running there?"
         ) from None
+    if len(head) < 9 or head[3] != 0x04:  # frame type SETTINGS
+        raise EngineLaunchError(
+            f"{address} answers, but not as a Ray cluster (no gRPC there); give the head's "
+            f"GCS address (`ray start --head` prints it, port 6379 by default)"
+        )
+
+
+def _read_exactly(s: socket.socket, n: int, deadline: float) -> bytes:
+    data = b""
+    while len(data) < n:
+        s.settimeout(max(0.01, deadline - time.monotonic()))
+        chunk = s.recv(n - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
 
 
 class RayEngineLauncher:
