@@ -266,9 +266,10 @@ class RayEngineLauncher:
                 ) from None
             except ray.exceptions.RayError as exc:
                 cause = getattr(exc, "cause", None) or exc
+                first = next((ln for ln in str(cause).splitlines() if ln.strip()), "")
                 raise EngineLaunchError(
                     f"engine-{i}: its Ray actor could not start the server: "
-                    f"{type(cause).__name__}: {str(cause).splitlines()[-1] if str(cause) else ''}"
+                    f"{type(cause).__name__}: {first[:300]}"
                 ) from None
         deadline = time.monotonic() + self.config.ready_timeout_s
         pending = list(enumerate(zip(self.actors, self.urls, strict=True)))

@@ -135,7 +135,9 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         pytest.skip("ray is not installed (extra [ray])")
     tmp = tmp_path_factory.mktemp("ray")
     port = _free_port()
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    # No OOM killing of workers: the stand-ins are small, and on a shared machine other
+    # processes' memory would otherwise get the tests' actors killed.
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_memory_monitor_refresh_ms": "0"}
     head = subprocess.Popen(
         [
             *_ray_cli(), "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
@@ -148,10 +150,11 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         stdin=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 90
-        while not _gcs_up(port):
+        deadline = time.monotonic() + 120
+        # Up once its raylet has registered (`ray start` says so), not when the GCS listens.
+        while "Ray runtime started" not in (tmp / "head.log").read_text(errors="replace"):
             assert head.poll() is None, (tmp / "head.log").read_text()[-2000:]
-            assert time.monotonic() < deadline, "the Ray head did not start within 90 s"
+            assert time.monotonic() < deadline, "the Ray head did not start within 120 s"
             time.sleep(0.5)
         yield f"127.0.0.1:{port}"
     finally:
@@ -161,14 +164,6 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             ray.shutdown()
         stop_group(head.pid, 5.0)  # SIGKILL after 5 s: nothing of it may survive
         head.wait(timeout=10)
-
-
-def _gcs_up(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True
-    except OSError:
-        return False
 
 
 @pytest.fixture
