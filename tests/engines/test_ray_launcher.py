@@ -10,14 +10,17 @@ actor start, and ``rolloutlog engines start|stop --placement ray``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -128,12 +131,11 @@ def _ray_cli() -> list[str]:
     return [sys.executable, "-c", "from ray.scripts.scripts import main; main()"]
 
 
-@pytest.fixture(scope="module")
-def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A Ray head in a process group of its own; the whole group is gone after the module."""
-    if importlib.util.find_spec("ray") is None:
-        pytest.skip("ray is not installed (extra [ray])")
-    tmp = tmp_path_factory.mktemp("ray")
+@contextlib.contextmanager
+def _ray_head(tmp: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A Ray head in a process group of its own; the whole group is gone afterwards."""
+    # Ray's socket paths under --temp-dir must fit AF_UNIX's 107 bytes.
+    short_tmp = tempfile.mkdtemp(prefix="rl-ray-")
     port = _free_port()
     # No OOM killing of workers: the stand-ins are small, and on a shared machine other
     # processes' memory would otherwise get the tests' actors killed.
@@ -144,7 +146,7 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             "--include-dashboard=false", "--object-store-memory=200000000",
             f"--ray-client-server-port={_free_port()}",
             f"--dashboard-agent-listen-port={_free_port()}",
-            f"--temp-dir={tmp}", "--disable-usage-stats",
+            f"--temp-dir={short_tmp}", "--disable-usage-stats",
         ],
         env=env, stdout=(tmp / "head.log").open("wb"), stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL, start_new_session=True,
@@ -156,7 +158,7 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             assert head.poll() is None, (tmp / "head.log").read_text()[-2000:]
             assert time.monotonic() < deadline, "the Ray head did not start within 120 s"
             time.sleep(0.5)
-        yield f"127.0.0.1:{port}"
+        yield f"127.0.0.1:{port}", head
     finally:
         import ray
 
@@ -164,6 +166,16 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             ray.shutdown()
         stop_group(head.pid, 5.0)  # SIGKILL after 5 s: nothing of it may survive
         head.wait(timeout=10)
+        shutil.rmtree(short_tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One Ray head for the module's tests."""
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("ray is not installed (extra [ray])")
+    with _ray_head(tmp_path_factory.mktemp("ray")) as (address, _):
+        yield address
 
 
 @pytest.fixture
@@ -219,6 +231,33 @@ def _processes_running(needle: str) -> list[str]:
         if needle in cmdline and state != "Z":
             found.append(cmdline)
     return found
+
+
+def _tether_processes(pgid: int) -> list[int]:
+    """The tether and its guard in a server's process group (not the server)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+            if os.getpgid(int(proc.name)) == pgid and "engines.tether" in cmdline:
+                found.append(int(proc.name))
+        except (OSError, ProcessLookupError):
+            continue
+    return found
+
+
+def _kill_groups_of(needle: str) -> None:
+    """SIGKILL the process group of every live process that mentions ``needle``."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if needle in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                os.killpg(os.getpgid(int(proc.name)), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            continue
 
 
 def _wait_gone(pgid: int, timeout: float) -> bool:
@@ -278,10 +317,11 @@ def test_stop_reports_a_server_it_cannot_reach(
     try:
         (url,) = launcher.start()
         pgid = ray.get(launcher.actors[0].pid.remote(), timeout=30)
-        # The actor and its server's tether both die at once: the server is orphaned.
+        # The actor, its server's tether and the tether's guard all die at once: the
+        # server is orphaned and serves on.
         actor_pid = _ppid(pgid)
-        os.kill(pgid, signal.SIGKILL)
-        os.kill(actor_pid, signal.SIGKILL)
+        for pid in [actor_pid, *_tether_processes(pgid)]:
+            os.kill(pid, signal.SIGKILL)
         not_stopped = launcher.stop()
         assert len(not_stopped) == 1, not_stopped
         assert url in not_stopped[0] and "still answers" in not_stopped[0]
@@ -386,8 +426,8 @@ def test_a_failed_actor_start_stops_the_servers_already_started(
             launcher.start()
         assert (logs / "engine-0.log").is_file()  # engine 0's server had been started
         deadline = time.monotonic() + 10
-        while _processes_running(ray_stand_in):
-            assert time.monotonic() < deadline, _processes_running(ray_stand_in)
+        while _processes_running(str(Path(ray_stand_in).parent)):
+            assert time.monotonic() < deadline, _processes_running(str(Path(ray_stand_in).parent))
             time.sleep(0.2)
     finally:
         launcher.stop()
@@ -433,7 +473,7 @@ def test_cli_starts_engines_on_a_ray_cluster_and_stops_them(
     finally:
         if state.exists():
             _cli("engines", "stop", "--state-file", str(state))
-    assert _processes_running(ray_stand_in) == []
+    assert _processes_running(str(Path(ray_stand_in).parent)) == []
 
 
 def test_cli_ray_placement_needs_an_address(fake_model: Path, tmp_path: Path) -> None:
@@ -451,3 +491,32 @@ def test_cli_ray_placement_needs_an_address(fake_model: Path, tmp_path: Path) ->
         "Error: --placement ray needs --ray-address HOST:PORT of a running cluster "
         "(`ray start --head` prints it)"
     )
+
+
+@pytest.mark.slow
+def test_engines_go_down_with_their_ray_cluster(
+    ray_stand_in: str, fake_model: Path, tmp_path: Path
+) -> None:
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("ray is not installed (extra [ray])")
+    state = tmp_path / "engines.json"
+    (tmp_path / "ray").mkdir()
+    try:
+        with _ray_head(tmp_path / "ray") as (address, head):
+            started = _cli(
+                "engines", "start", "--placement", "ray", "--ray-address", address,
+                "--model", str(fake_model), "--python", ray_stand_in, "--count", "1",
+                "--log-dir", str(tmp_path), "--state-file", str(state), "--json",
+            )  # fmt: skip
+            assert started.returncode == 0, started.stderr[-3000:]
+            (url,) = json.loads(started.stdout.splitlines()[-1])["urls"]
+            assert health_ok(url)
+            # The cluster goes (what `ray stop --force` or a lost head does to its workers).
+            os.killpg(head.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 20
+            while _processes_running(str(Path(ray_stand_in).parent)):
+                assert time.monotonic() < deadline, "a server outlived its Ray cluster"
+                time.sleep(0.2)
+            assert not health_ok(url)
+    finally:
+        _kill_groups_of(str(Path(ray_stand_in).parent))  # anything left when the test failed
