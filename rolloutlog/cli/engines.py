@@ -1,11 +1,12 @@
-"""``rolloutlog engines``: start and stop local vLLM OpenAI server engines.
+"""``rolloutlog engines``: start and stop vLLM OpenAI server engines.
 
 ``engines start`` launches ``--count`` servers (each in its own process group, left
 running when the command exits), waits until every one answers ``/health``, prints
 their URLs (one a line, or ``--json``) and records them in ``--state-file``;
 ``engines restart`` stops and starts them again (all, or ``--engine ID``) with the
 recorded settings; ``engines stop`` stops them (SIGTERM to each group, SIGKILL after a
-deadline).
+deadline). ``--placement ray --ray-address HOST:PORT`` starts each server in a detached,
+named Ray actor on an existing cluster instead (``engines stop`` finds them by name).
 """
 
 from __future__ import annotations
@@ -54,6 +55,22 @@ def engines() -> None:
 )
 @_state_file_option(help="Where the started engines are recorded (for `engines stop`).")
 @click.option("--engine-arg", "extra_args", multiple=True, help="Extra api_server argument.")
+@shown(
+    "--placement",
+    default="local",
+    type=click.Choice(["local", "ray"]),
+    help="local processes, or detached Ray actors on the cluster at --ray-address.",
+)
+@click.option(
+    "--ray-address",
+    default=None,
+    help="HOST:PORT of a running Ray cluster's head (--placement ray).",
+)
+@click.option(
+    "--python",
+    default=None,
+    help="Interpreter that runs each server (default: this one; on Ray: the actor's).",
+)
 @json_option()
 def start(
     count: int,
@@ -67,6 +84,9 @@ def start(
     log_dir: Path | None,
     state_file: Path,
     extra_args: tuple[str, ...],
+    placement: str,
+    ray_address: str | None,
+    python: str | None,
     as_json: bool,
 ) -> None:
     """Start COUNT vLLM servers on MODEL and print their URLs."""
@@ -81,13 +101,19 @@ def start(
             f"--state-file {state_file}` restarts them, `rolloutlog engines stop "
             f"--state-file {state_file}` stops them"
         )
+    launch = picked(
+        "count", "model_dir", "host", "port_base", "max_model_len", "dtype", "seed", "log_dir",
+        "extra_args",
+    )  # fmt: skip
+    if placement == "ray":
+        urls = _start_on_ray(launch, ready_timeout, ray_address, python, state_file)
+        _print_urls(urls, state_file, as_json)
+        return
+    if ray_address is not None:
+        raise click.ClickException("--ray-address is for --placement ray")
     try:
-        launch = picked(
-            "count", "model_dir", "host", "port_base", "max_model_len", "dtype", "seed", "log_dir",
-            "extra_args",
-        )  # fmt: skip
         config = LaunchConfig(**launch, ready_timeout_s=ready_timeout)
-        launcher = LocalEngineLauncher(config)
+        launcher = LocalEngineLauncher(config, python=python or sys.executable)
         launcher.start(wait=False)
         state_file.write_text(json.dumps(launcher.state(), indent=2))
         launcher.wait_ready()
@@ -100,7 +126,45 @@ def start(
             stop_from_state(state_file)
             state_file.unlink()
         raise click.ClickException(str(exc)) from exc
-    urls = [e.url for e in launcher.engines]
+    _print_urls([e.url for e in launcher.engines], state_file, as_json)
+
+
+def _start_on_ray(
+    launch: dict[str, object],
+    ready_timeout: float,
+    ray_address: str | None,
+    python: str | None,
+    state_file: Path,
+) -> list[str]:
+    """Detached engine actors on the cluster at ``ray_address``; records them, returns URLs."""
+    from pydantic import ValidationError
+
+    from rolloutlog.controller.engines.config import LaunchConfig
+    from rolloutlog.controller.engines.local import EngineLaunchError
+    from rolloutlog.controller.engines.ray_launcher import RayEngineLauncher
+
+    if not ray_address:
+        # A Ray started by this command would end with it, and its engines with it.
+        raise click.ClickException(
+            "--placement ray needs --ray-address HOST:PORT of a running cluster "
+            "(`ray start --head` prints it)"
+        )
+    launch = {k: v for k, v in launch.items() if k not in ("host", "port_base")}
+    try:
+        config = LaunchConfig(
+            **launch, placement="ray", ray_address=ray_address, ready_timeout_s=ready_timeout
+        )
+        launcher = RayEngineLauncher(config, python=python, detached=True)
+        urls = launcher.start()  # a failed start has stopped what it started
+    except ValidationError as exc:
+        raise click.ClickException(str(exc)) from exc
+    except EngineLaunchError as exc:
+        raise click.ClickException(str(exc)) from exc
+    state_file.write_text(json.dumps(launcher.state(), indent=2))
+    return urls
+
+
+def _print_urls(urls: list[str], state_file: Path, as_json: bool) -> None:
     if as_json:
         json.dump({"urls": urls, "state_file": str(state_file)}, sys.stdout)
         sys.stdout.write("\n")
@@ -117,9 +181,28 @@ def stop(state_file: Path) -> None:
 
     if not state_file.is_file():
         raise click.ClickException(f"{state_file}: no engines recorded (nothing to stop)")
+    state = json.loads(state_file.read_text())
+    if state.get("placement") == "ray":
+        _stop_on_ray(state, state_file)
+        return
     for engine_id in stop_from_state(state_file):
         click.echo(f"stopped {engine_id}")
     state_file.unlink()
+
+
+def _stop_on_ray(state: dict[str, object], state_file: Path) -> None:
+    from rolloutlog.controller.engines.local import EngineLaunchError
+    from rolloutlog.controller.engines.ray_launcher import stop_from_state
+
+    try:
+        stopped, not_stopped = stop_from_state(state)
+    except EngineLaunchError as exc:
+        raise click.ClickException(str(exc)) from exc
+    for engine_id in stopped:
+        click.echo(f"stopped {engine_id}")
+    state_file.unlink()
+    if not_stopped:
+        raise click.ClickException("not stopped: " + "; ".join(not_stopped))
 
 
 @engines.command("restart")
@@ -147,6 +230,11 @@ def restart(
     if not state_file.is_file():
         raise click.ClickException(
             f"{state_file}: no engines recorded (nothing to restart; `rolloutlog engines start`)"
+        )
+    if json.loads(state_file.read_text()).get("placement") == "ray":
+        raise click.ClickException(
+            f"{state_file} records Ray engines, which `engines restart` does not restart: "
+            f"`rolloutlog engines stop --state-file {state_file}`, then `engines start`"
         )
     try:
         restarted = restart_from_state(state_file, engine_ids, ready_timeout_s=ready_timeout)
