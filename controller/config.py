@@ -79,12 +79,13 @@ class StoreConfig(BaseModel):
     )
     group_commit_max_batch: int = Field(2000, ge=1, description="Most events per transaction.")
     commit_writer: Literal["auto", "thread", "process"] = Field(
-        "auto",
-        description="Where appends run: in a writer process of their own (its own "
+        "thread",
+        description="Where appends run: on the group committer's thread in this process "
+        "(the default), or, opted in, in a writer process of their own (its own "
         "connection, on another core; this process only serialises each command, so a "
-        "busy event loop or trainer neither slows commits nor is slowed by them), or on "
-        "the group committer's thread in this process. auto: the process wherever the log "
-        "is a database file or server, the thread for the in-memory store.",
+        "busy event loop or trainer neither slows commits nor is slowed by them; POSIX "
+        "only). auto: the process wherever the log is a database file or server, the "
+        "thread for the in-memory store.",
     )
     writer_start_timeout_s: float = Field(
         60.0,
@@ -117,26 +118,6 @@ class StoreConfig(BaseModel):
         "commands touched until this long after it started (its own work counts; at least "
         "32 groups each, so a snapshot progresses behind long commands too). The snapshot "
         "is taken when none is left; joining and compressing run on the snapshot thread.",
-    )
-    gc_freeze_at_open: bool = Field(
-        True,
-        description="When the process's first controller opens, collect once and move every "
-        "live object (imports, model, dataset) out of the garbage collector's full "
-        "collections (gc.freeze), so a collection that trips inside a command walks only "
-        "what the process made since. Process-wide and bounded: objects alive at that "
-        "moment that later die inside reference cycles are reclaimed when the last "
-        "controller closes (gc.unfreeze). Neither this nor gc_freeze_interval freezes "
-        "anything in a process that froze objects itself before its first controller.",
-    )
-    gc_freeze_interval: int = Field(
-        0,
-        ge=0,
-        description="Events between two moves of the process's live objects out of the "
-        "garbage collector's full collections (gc.collect of what is new, then gc.freeze). "
-        "The state's groups and siblings are never walked (they are untracked); this is for "
-        "a process whose own heap, grown after the open, makes full collections long. "
-        "Process-wide; objects that die inside reference cycles after a freeze are "
-        "reclaimed only when the last controller holding the freeze closes. 0: never.",
     )
     require_stored_payloads: bool = Field(
         True,

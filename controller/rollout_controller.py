@@ -50,7 +50,6 @@ from .domain.errors import CursorBehindError, RestoreError, UnknownPayloadError
 from .domain.events import CheckpointMarked, RolloutEvent, SiblingCompleted
 from .domain.invariants import check_invariants
 from .domain.state import RunState
-from .gc_freeze import HeapFreezer
 from .rollout_index import IndexedEvent, attach, encode, encode_many, read_history_indexed
 from .snapshot_encoder import SnapshotEncoder, decode_snapshot, encode_snapshot
 
@@ -267,11 +266,6 @@ class RolloutController:
         self._undelivered: deque[list[tuple[int, RolloutEvent]]] = deque()
         self._deliver_lock = threading.RLock()
         self._failure: BaseException | None = None
-        # Process-wide: see gc_freeze.py for what each kind of freeze costs.
-        self.heap_freezer = HeapFreezer(
-            self.store_config.gc_freeze_interval, at_open=self.store_config.gc_freeze_at_open
-        )
-        self.heap_freezer.start(state.last_seq)
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -525,7 +519,6 @@ class RolloutController:
             if self.store_config.snapshot_interval > 0:
                 self._snapshot_encoder.touched(events)
             self._maybe_snapshot(started)
-            self.heap_freezer.after(self.state.last_seq)
         self._deliver_durable()
         return applied
 
@@ -673,8 +666,9 @@ class RolloutController:
 
     @contextlib.contextmanager
     def _abandon_on_error(self) -> Iterator[None]:
-        """On an error while opening, stop the commit thread without flushing, leave the
-        process's heap freeze (it must not outlive a controller nobody can close), re-raise."""
+        """On an error while opening, stop the commit thread (or writer process) without
+        flushing and the snapshot thread, re-raise: neither may outlive a controller nobody
+        can close."""
         try:
             yield
         except BaseException:
@@ -682,7 +676,6 @@ class RolloutController:
                 self.committer.close(flush=False)
             finally:
                 self._snapshots.shutdown(wait=False)
-                self.heap_freezer.close()
             raise
 
     def close(self) -> None:
@@ -692,7 +685,6 @@ class RolloutController:
             self._deliver_durable()
         finally:
             self._snapshots.shutdown(wait=True)
-            self.heap_freezer.close()
 
 
 def _check_fingerprint(

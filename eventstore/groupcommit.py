@@ -34,7 +34,8 @@ from .records import NewEvent, PayloadPut
 
 #: Where appends run: on the committer's thread, or in a child process.
 CommitWriter = Literal["thread", "process"]
-#: What a caller may ask for: ``"auto"`` is a process where the store allows one.
+#: What a caller may ask for (default ``"thread"``): ``"auto"`` is a process where the
+#: store allows one.
 WriterChoice = Literal["auto", "thread", "process"]
 WRITERS: tuple[WriterChoice, ...] = ("auto", "thread", "process")
 
@@ -125,7 +126,7 @@ def open_committer(
     store: EventStoreProtocol,
     run_id: str,
     *,
-    writer: WriterChoice = "auto",
+    writer: WriterChoice = "thread",
     epoch: int,
     next_seq: int,
     max_batch: int = 2000,
@@ -136,9 +137,11 @@ def open_committer(
 ) -> Committer:
     """A committer of ``run_id`` whose appends run where ``writer`` says.
 
-    ``"process"`` needs a database another process can open (a SQLite file or a
-    PostgreSQL server, opened for writing), not a :class:`MemoryEventStore`;
-    ``"auto"`` takes a process there and the committer's thread elsewhere.
+    ``"thread"`` (the default): the committer's thread in this process. ``"process"``:
+    a writer process (an opt-in, POSIX only; see writer_process.py for its lifecycle),
+    which needs a database another process can open (a SQLite file or a PostgreSQL
+    server, opened for writing), not a :class:`MemoryEventStore`; ``"auto"`` takes a
+    process there and the committer's thread elsewhere.
     ``start_timeout_s`` / ``reply_timeout_s``: the writer process's deadlines (see
     :class:`~rolloutlog.eventstore.writer_process.ProcessCommitter`).
     """

@@ -26,6 +26,18 @@ is outstanding (``reply_timeout_s`` plus the lock timeout). A child that dies or
 answering fails the committer with :class:`WriterProcessError` and is killed. Errors
 raised by the child's store arrive with their type and attributes.
 
+Lifecycle (an opt-in: ``store.commit_writer: process``; the default is the committer's
+thread). **Start**: constructing the committer spawns the child, which opens the database
+in the background; :meth:`ProcessCommitter.wait_started` blocks until it has.
+**Health**: :meth:`ProcessCommitter.health` (pid, whether it opened the database and is
+alive, the error that stopped it). **Stop**: :meth:`ProcessCommitter.close` (the
+controller's ``close``) flushes, closes the command pipe and reaps the child; a child that
+outlives its deadlines is killed with its process group.
+
+Platforms: POSIX only (Linux, macOS): the child gets its control pipe by ``pass_fds``, runs
+in a session of its own and is waited on with ``select`` on pipes, none of which Windows
+has. On Linux the pipes are enlarged with ``fcntl`` (imported only there).
+
 The child is started with ``python -m`` in its own session (process group), so it never
 re-runs the parent's main module, Ctrl-C in a terminal does not reach it, and a test can
 kill it whole. It exits when its command pipe closes or its parent is gone, so it never
@@ -43,7 +55,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import gc
 import marshal
 import os
@@ -56,6 +67,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -80,6 +92,32 @@ _READ_BYTES = 1 << 16
 _CHILD_BUFFER = 64 << 20
 #: Longest ``submit`` and ``durable_seq`` go without reading the child's answers.
 _POLL_INTERVAL_S = 0.005
+
+
+#: Where the writer process runs (see the module docstring); elsewhere it is refused.
+PLATFORMS = ("linux", "darwin")
+
+
+@dataclass(frozen=True)
+class WriterHealth:
+    """What :meth:`ProcessCommitter.health` says about the child."""
+
+    pid: int | None  #: the child's process id (None once it is gone)
+    started: bool  #: the child opened the database
+    alive: bool  #: the child is running and has not failed
+    error: str | None  #: why the committer stopped accepting commands, if it did
+    seconds_since_answer: float  #: since the child last answered (or work began)
+
+
+def _grow_pipe(fd: int) -> None:
+    """Linux: a larger pipe lets the child fall further behind before ``submit`` keeps
+    bytes in this process. Elsewhere (or capped) the default size serves."""
+    if not sys.platform.startswith("linux"):
+        return
+    import fcntl  # POSIX-only: imported where it is used
+
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(fd, _F_SETPIPE_SZ, _PIPE_BYTES)
 
 
 # ---------------------------------------------------------------- framing
@@ -199,6 +237,11 @@ class ProcessCommitter(Committer):
         check_committer_args(max_batch, window_s)
         if start_timeout_s <= 0 or reply_timeout_s <= 0:
             raise ValueError("start_timeout_s and reply_timeout_s must be > 0")
+        if not sys.platform.startswith(PLATFORMS):
+            raise WriterProcessError(
+                f"the writer process runs on {', '.join(PLATFORMS)}, not {sys.platform}; "
+                "use store.commit_writer: thread"
+            )
         url = _writable_url(store)
         self.store = store
         self.run_id = run_id
@@ -245,8 +288,7 @@ class ProcessCommitter(Committer):
         self._w = self._proc.stdin.fileno()
         self._r = self._proc.stdout.fileno()
         for fd in (self._w, self._r):
-            with contextlib.suppress(OSError):  # not Linux, or a capped pipe size: smaller
-                fcntl.fcntl(fd, _F_SETPIPE_SZ, _PIPE_BYTES)
+            _grow_pipe(fd)
             os.set_blocking(fd, False)
         os.set_blocking(self._control, False)
         opening = (
@@ -271,6 +313,21 @@ class ProcessCommitter(Committer):
         """The child's process id (None once it is gone)."""
         proc = self._proc
         return None if proc is None else proc.pid
+
+    def health(self) -> WriterHealth:
+        """The child's state now (reads its pending answers first)."""
+        with self._lock:
+            if not self._child_done:
+                self._poll()
+            proc = self._proc
+            alive = proc is not None and proc.poll() is None and self._error is None
+            return WriterHealth(
+                pid=None if proc is None else proc.pid,
+                started=self._ready,
+                alive=alive and not self._child_done,
+                error=None if self._error is None else str(self._error),
+                seconds_since_answer=time.monotonic() - self._last_progress,
+            )
 
     def wait_started(self, timeout: float | None = None) -> None:
         """Block until the child has opened the database (it starts in the background).

@@ -524,8 +524,6 @@ def build_buffered_run(
     *,
     snapshot_interval: int = 0,
     dataset_size: int | None = None,
-    gc_freeze_interval: int = 0,
-    gc_freeze_at_open: bool = True,
 ) -> RolloutController:
     """A controller whose buffer holds ``groups`` ready groups, built by public commands.
 
@@ -544,8 +542,6 @@ def build_buffered_run(
             url=url,
             snapshot_interval=snapshot_interval,
             require_stored_payloads=False,
-            gc_freeze_interval=gc_freeze_interval,
-            gc_freeze_at_open=gc_freeze_at_open,
         ),
     )
     while admission_blocker(ctl.state) is None and len(ctl.state.groups) < groups:
@@ -590,70 +586,41 @@ def bench_loop_pause(
     takes snapshots every ``snapshot_interval // 5`` events. A coroutine runs training
     cycles through it as the pump does (select, train, publish, admit, dispatch and
     complete the next step's groups, yielding to the loop between commands) while a
-    monitor task sleeps 1 ms at a time and records how late it wakes. It runs three times,
-    each on a buffer of its own: with the default configuration (``max_loop_pause_ms``:
-    the state's groups are untracked and the heap alive at open is frozen, so CPython's
-    full collections walk neither), with ``store.gc_freeze_at_open`` off (the baseline,
-    ``max_loop_pause_ms_without_gc_freeze``: collections walk the whole import heap), and
-    with ``store.gc_freeze_interval`` set to the snapshot interval as well
-    (``max_loop_pause_ms_with_gc_freeze``: nothing older than an interval is walked).
-    Baselines, same run: :func:`encode_snapshot` of the whole state, what a snapshot used
-    to cost inline, and :func:`bench_full_collection`, what a full collection costs with
-    the groups untracked and tracked.
+    monitor task sleeps 1 ms at a time and records how late it wakes
+    (``max_loop_pause_ms``). The controller changes nothing of the process's garbage
+    collector: ``max_loop_pause_ms_without_gc_freeze`` is the same figure, kept for
+    readers of the JSON (the heap freeze it was compared with is gone). Baselines, same
+    run: :func:`encode_snapshot` of the whole state, what a snapshot used to cost inline,
+    and :func:`bench_full_collection`, what a full collection costs with the groups
+    untracked and tracked.
     """
     say = progress or (lambda _msg: None)
-    interval = max(1, sizes.snapshot_interval // 5)
     default = _loop_pause_run(root, sizes, say, label="default")
-    unfrozen = _loop_pause_run(root, sizes, say, gc_freeze_at_open=False, label="unfrozen")
-    frozen = _loop_pause_run(root, sizes, say, gc_freeze_interval=interval, label="frozen")
-    worst, worst_frozen = default["loop_pause_ms"]["max"], frozen["loop_pause_ms"]["max"]
-    worst_unfrozen = unfrozen["loop_pause_ms"]["max"]
-    step_ms = max(
-        frozen["max_snapshot_step_ms"],
-        default["max_snapshot_step_ms"],
-        unfrozen["max_snapshot_step_ms"],
-    )
+    worst = default["loop_pause_ms"]["max"]
     return {
         **default,
-        "without_gc_freeze": unfrozen,
-        "with_gc_freeze": {**frozen, "gc_freeze_interval": interval},
         "full_collection": bench_full_collection(sizes.checkpoint_groups[1], sizes.group_size, say),
         "full_snapshot_encode_vs_max_loop_pause": _ratio(default["full_snapshot_encode_ms"], worst),
         "ratios": {
             "max_loop_pause_ms": worst,
-            "max_loop_pause_ms_with_gc_freeze": worst_frozen,
-            "max_loop_pause_ms_without_gc_freeze": worst_unfrozen,
-            "max_snapshot_step_ms": step_ms,
+            "max_loop_pause_ms_without_gc_freeze": worst,
+            "max_snapshot_step_ms": default["max_snapshot_step_ms"],
         },
     }
 
 
 def _loop_pause_run(
-    root: Path,
-    sizes: DomainBenchSizes,
-    say: _ProgressFn,
-    *,
-    label: str,
-    gc_freeze_interval: int = 0,
-    gc_freeze_at_open: bool = True,
+    root: Path, sizes: DomainBenchSizes, say: _ProgressFn, *, label: str
 ) -> dict[str, Any]:
-    """One measured run of :func:`bench_loop_pause` with these freeze settings."""
+    """One measured run of :func:`bench_loop_pause`."""
     groups = sizes.checkpoint_groups[1]
     per_step = sizes.checkpoint_groups_per_step
     cycles = 12
     rollout = checkpoint_config(per_step, groups)
     interval = max(1, sizes.snapshot_interval // 5)
-    say(
-        f"loop ({label}): building a buffer of {size_label(groups)} ready groups "
-        f"(snapshots on, gc_freeze_at_open={gc_freeze_at_open}, "
-        f"gc_freeze_interval={gc_freeze_interval})"
-    )
+    say(f"loop ({label}): building a buffer of {size_label(groups)} ready groups (snapshots on)")
     gc.collect()
-    if not gc_freeze_at_open and gc_freeze_interval == 0:
-        # The baseline must walk the whole heap: no freeze may be held (by this process's
-        # other controllers, or its own gc.freeze()).
-        held = gc.get_freeze_count()
-        _check(held == 0, f"{held} objects are frozen before the baseline run")
+    frozen_before = gc.get_freeze_count()
     ctl = build_buffered_run(
         _sqlite_url(root / f"loop-{label}.db"),
         "loop",
@@ -661,11 +628,10 @@ def _loop_pause_run(
         rollout,
         snapshot_interval=interval,
         dataset_size=groups + per_step * (cycles + 2),
-        gc_freeze_interval=gc_freeze_interval,
-        gc_freeze_at_open=gc_freeze_at_open,
     )
-    frozen_at_open = gc_freeze_interval == 0 and ctl.heap_freezer.freezes > 0
-    frozen_objects = gc.get_freeze_count()
+    # The controller must leave the collector as it found it (nothing frozen at open).
+    frozen = gc.get_freeze_count()
+    _check(frozen == frozen_before, f"{frozen - frozen_before} objects frozen by the open")
     try:
         say(f"loop ({label}): timing the full-state encoding baseline")
         encode_s = []
@@ -674,35 +640,24 @@ def _loop_pause_run(
             encode_snapshot(ctl.state)
             encode_s.append(time.perf_counter() - started)
         written_before = ctl.snapshots_written
-        freezes_before = ctl.heap_freezer.freezes
         say(f"loop ({label}): {cycles} training cycles of {per_step} groups on the event loop")
         ctl.snapshot_step_max_s = 0.0
-        ctl.heap_freezer.max_freeze_s = 0.0
         pauses = asyncio.run(_drive_cycles(ctl, cycles))
         snapshot_step_ms = ctl.snapshot_step_max_s * 1000
         ctl.flush()
         check_invariants(ctl.state)
         events = ctl.state.last_seq
         snapshots = ctl.snapshots_written - written_before
-        freezes = ctl.heap_freezer.freezes - freezes_before
-        freeze_ms = ctl.heap_freezer.max_freeze_s * 1000
     finally:
-        ctl.close()  # also gives frozen objects back to the collector
+        ctl.close()
         ctl.store.close()
     _check(snapshots > 0, "no snapshot was taken while the loop was measured")
-    _check(
-        (freezes > 0) == (gc_freeze_interval > 0),
-        f"{freezes} heap freezes with gc_freeze_interval={gc_freeze_interval}",
-    )
     return {
         "ready_groups": groups,
         "cycles": cycles,
         "snapshot_interval": interval,
         "snapshots_written": snapshots,
-        "frozen_at_open": frozen_at_open,
-        "frozen_objects": frozen_objects,
-        "heap_freezes": freezes,
-        "max_heap_freeze_ms": freeze_ms,
+        "frozen_objects": frozen - frozen_before,  # by the controller: none
         "log_events": events,
         "loop_pause_ms": {
             "max": max(pauses) * 1000,

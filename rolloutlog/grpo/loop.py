@@ -296,8 +296,7 @@ async def run_training(
             backend = make_backend(cfg.backend, cfg, trainer.model, tokenizer, model_dir, version)
             runtime = RolloutRuntime(controller, backend, prompts, cfg.generation)
         except BaseException:
-            # Nothing else owns the controller yet: its commit thread and its share of
-            # the process's heap freeze end here.
+            # Nothing else owns the controller yet: its commit thread ends here.
             await _close_quietly(None, None, controller, None)
             raise
         rewards: dict[int, float] = {}

@@ -390,8 +390,10 @@ def test_a_writer_process_is_refused_where_no_other_process_can_write(
         with pytest.raises(StoreError, match="read-only"):
             open_committer(readonly, "r1", writer="process", epoch=1, next_seq=1)
         # auto: the committer's thread where no process can write.
-        assert open_committer(readonly, "r1", epoch=1, next_seq=1).writer == "thread"
-    memory = open_committer(MemoryEventStore(), "r1", epoch=1, next_seq=1)
+        auto = open_committer(readonly, "r1", writer="auto", epoch=1, next_seq=1)
+        assert auto.writer == "thread"
+        auto.close()
+    memory = open_committer(MemoryEventStore(), "r1", writer="auto", epoch=1, next_seq=1)
     assert memory.writer == "thread"
     memory.close()
     with pytest.raises(ValueError, match="'auto', 'thread' or 'process'"):
@@ -462,15 +464,23 @@ def test_a_controller_with_a_writer_process_replays_to_its_own_state(
         RolloutConfig(group_size=2, groups_per_step=2, lookahead=1, staleness_bound=1),
         dataset_fingerprint="toy",
         dataset_size=64,
-        store_config=StoreConfig(snapshot_interval=0),
+        store_config=StoreConfig(snapshot_interval=0, commit_writer="process"),
     )
     try:
-        assert ctl.committer.writer == "process"  # the default on a database
+        committer = ctl.committer
+        assert isinstance(committer, ProcessCommitter)
+        # The lifecycle: started in the background, healthy once it opened the database.
+        committer.wait_started(timeout=60)
+        health = committer.health()
+        assert health.started and health.alive and health.error is None
+        assert health.pid is not None and os.getpgid(health.pid) == health.pid
         ctl.execute(commands.AdmitStep())
         ctl.flush()
         state = ctl.state
     finally:
         ctl.close()
+    stopped = committer.health()
+    assert stopped.pid is None and not stopped.alive and stopped.error is None
     reopened = RolloutController.open(sql_store, "run-w", store_config=StoreConfig())
     try:
         assert reopened.state.groups.keys() == state.groups.keys()
@@ -505,3 +515,28 @@ def test_the_child_reads_a_command_larger_than_its_buffer_limit() -> None:
     finally:
         for fd in (commands_r, commands_w, control_r, control_w):
             os.close(fd)
+
+
+def test_the_thread_is_the_default_writer_even_on_a_database(sql_store: EventStore) -> None:
+    """A writer process is an opt-in: a plain open starts no child process."""
+    assert StoreConfig().commit_writer == "thread"
+    committer = open_committer(sql_store, "r1", epoch=1, next_seq=1)
+    try:
+        assert committer.writer == "thread"
+    finally:
+        committer.close()
+
+
+def test_the_writer_process_is_refused_off_its_platforms(
+    sql_store: EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "platform", "win32")
+    with pytest.raises(WriterProcessError, match="runs on linux, darwin, not win32"):
+        ProcessCommitter(sql_store, "r1", epoch=1, next_seq=1)
+
+
+def test_importing_the_writer_process_needs_no_fcntl() -> None:
+    """fcntl is POSIX-only and used on Linux alone: the module imports without it."""
+    code = "import sys; sys.modules['fcntl'] = None; import rolloutlog.eventstore.writer_process"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr.decode()
