@@ -23,6 +23,13 @@ from hypothesis import settings
 settings.register_profile("rolloutlog", deadline=None)
 settings.load_profile("rolloutlog")
 
+# pytest-xdist's workers (`make test`) start with COLUMNS=80 and LINES=24 in their
+# environment; a serial run has neither. The CLI sizes its tables by COLUMNS, so a test
+# of a table would wrap at 80 columns on a worker only.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _name in ("COLUMNS", "LINES"):
+        os.environ.pop(_name, None)
+
 PG_URL = os.environ.get(
     "ROLLOUTLOG_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )
