@@ -305,37 +305,3 @@ def model_backend(
     yield backend
     if backend.weight_version != version:
         run(backend.update_weights(base_weights.items(), backend.weight_version + 1))
-
-
-# Under pytest-xdist (`make test`), the tests sharing a session engine run on one worker,
-# so each engine starts once per suite, not once per worker: the in-process vLLM engine,
-# and the two vLLM servers (shared by the server and fleet backends).
-_ENGINE_GROUPS = {
-    "vllm": "vllm_engine",
-    "vllm_server": "vllm_servers",
-    "vllm_fleet": "vllm_servers",
-}
-_ENGINE_FIXTURES = {
-    "vllm_session_backend": "vllm_engine",
-    "vllm_server_engines": "vllm_servers",
-    "vllm_server_session_backend": "vllm_servers",
-    "vllm_fleet_session_backend": "vllm_servers",
-}
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    here = Path(__file__).parent
-    for item in items:
-        if here not in item.path.parents:
-            continue
-        groups = {
-            _ENGINE_FIXTURES[f] for f in getattr(item, "fixturenames", ()) if f in _ENGINE_FIXTURES
-        }
-        callspec = getattr(item, "callspec", None)
-        if callspec is not None:
-            for name in ("backend", "model_backend"):
-                if callspec.params.get(name) in _ENGINE_GROUPS:
-                    groups.add(_ENGINE_GROUPS[callspec.params[name]])
-        if groups:
-            # One group per test; a test using both engines joins the servers' group.
-            item.add_marker(pytest.mark.xdist_group(sorted(groups)[-1]))
