@@ -8,10 +8,14 @@ demo:
 	scripts/setup.sh
 	.venv/bin/rolloutlog demo
 
+# The suite on TEST_WORKERS pytest-xdist workers (more than the 2 cores: tests wait on
+# child processes, PostgreSQL and disk; 3, not 4, so that the end-to-end vLLM tests' engines
+# fit in 24 GiB; figures in docs/benchmarks.md). tests/conftest.py's scheduler keeps the
+# tests of one session vLLM engine on one worker. TEST_WORKERS=0: serial.
+TEST_WORKERS ?= 3
 test:
 	scripts/setup.sh --vllm
-	scripts/lint_imports.sh
-	.venv/bin/python -m pytest
+	.venv/bin/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 lint:
 	.venv/bin/ruff check . && .venv/bin/ruff format --check . && scripts/lint_imports.sh

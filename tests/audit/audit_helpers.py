@@ -244,12 +244,22 @@ def db_fingerprint(url: str) -> dict[str, object]:
                 out["large_objects"] = conn.exec_driver_sql(
                     "SELECT count(*) FROM pg_largeobject_metadata"
                 ).scalar()
+                # pg_locks and roles are the whole server's, and other test sessions
+                # (pytest-xdist workers, other checkouts) take locks in their own databases
+                # and make and drop their own `rl_` scratch roles meanwhile: count this
+                # database's locks, and of the scratch roles only those granted something
+                # here (this test's reader role), every other role as before.
                 out["advisory_locks"] = conn.exec_driver_sql(
-                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND database = "
+                    "(SELECT oid FROM pg_database WHERE datname = current_database())"
                 ).scalar()
                 out["role_settings"] = conn.exec_driver_sql(
                     "SELECT r.rolname, r.rolsuper, r.rolcreaterole, s.setconfig FROM pg_roles r "
-                    "LEFT JOIN pg_db_role_setting s ON s.setrole = r.oid ORDER BY 1"
+                    "LEFT JOIN pg_db_role_setting s ON s.setrole = r.oid "
+                    "WHERE r.rolname NOT LIKE 'rl\\_%%' OR r.oid IN "
+                    "(SELECT (aclexplode(c.relacl)).grantee FROM pg_class c "
+                    "WHERE c.relnamespace = 'public'::regnamespace AND c.relacl IS NOT NULL) "
+                    "ORDER BY 1"
                 ).all()
                 out["grants"] = conn.exec_driver_sql(
                     "SELECT relname, relacl::text FROM pg_class WHERE relnamespace = "
