@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner, Result
-from reliability_harness import drive, run, start
+from reliability_harness import drive, run, start, store_config
 
 from rolloutlog.cli import main
 from rolloutlog.controller.rollout_controller import RolloutController, check_ranges, replay
@@ -33,6 +33,15 @@ def logged(db_url: str) -> Iterator[str]:
         ctl = start(store)
         run(drive(ctl, 3))
         ctl.close()
+        # Where the last snapshot falls depends on timing (a snapshot every 25 events);
+        # the tests below need events after it (a tail the replay reads).
+        for _ in range(3):
+            if _snapshot_seqs(db_url)[-1] < store.last_seq("r"):
+                break
+            ctl = RolloutController.open(store, "r", store_config=store_config())
+            ctl.checkpoint(ctl.state.train_step)
+            ctl.close()
+        assert _snapshot_seqs(db_url)[-1] < store.last_seq("r")
     finally:
         store.close()
     yield db_url
