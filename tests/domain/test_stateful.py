@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from domain_helpers import PromptLedger, assert_siblings_untracked, store_config
+from domain_helpers import PromptLedger, store_config
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -453,14 +453,6 @@ class RolloutMachine(RuleBasedStateMachine):
         if self.ctl is None:
             return
         check_invariants(self.ctl.state)
-
-    @invariant()
-    def siblings_stay_out_of_the_cyclic_collector(self) -> None:
-        """The sibling rows every command made are untracked once the collector ran over
-        them, so a full collection walks one object per group (GroupState's docstring)."""
-        if self.ctl is None:
-            return
-        assert_siblings_untracked(self.ctl.state)
 
     @invariant()
     def log_replays_to_the_live_state(self) -> None:
