@@ -47,7 +47,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -454,24 +454,33 @@ class VLLMServerBackend(BackendBase):
         results = self._check_results(request, results)
         return [replace(r, engine_id=self.engine_id) for r in results]
 
+    def _completion_body(self, prompt: Sequence[int], **fields: Any) -> dict[str, Any]:
+        """A ``/v1/completions`` body for one sequence of token ids, answered with token
+        ids, addressed to the served model once it is known."""
+        body: dict[str, Any] = {
+            "prompt": list(prompt),
+            "return_token_ids": True,
+            "n": 1,
+            "stream": False,
+            **fields,
+        }
+        if self._model_name is not None:
+            body["model"] = self._model_name
+        return body
+
     async def _one(
         self, client: Any, request: GroupRequest, spec: SiblingSpec, rid: str, version: int
     ) -> SiblingResult:
         httpx = _httpx()
         sampling = request.sampling
-        body: dict[str, Any] = {
-            "prompt": list(request.prompt_token_ids),
-            "max_tokens": sampling.max_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "seed": sibling_seed(self.seed, request, spec),
-            "logprobs": 0,
-            "return_token_ids": True,
-            "n": 1,
-            "stream": False,
-        }
-        if self._model_name is not None:
-            body["model"] = self._model_name
+        body = self._completion_body(
+            request.prompt_token_ids,
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            seed=sibling_seed(self.seed, request, spec),
+            logprobs=0,
+        )
         who = f"{self.engine_id} {rid}"
         try:
             resp = await client.post(
@@ -749,17 +758,7 @@ class VLLMServerBackend(BackendBase):
         """
         httpx = _httpx()
         client = self._client_or_raise()
-        body: dict[str, Any] = {
-            "prompt": list(prompt),
-            "max_tokens": 1,
-            "temperature": 0.0,
-            "prompt_logprobs": 0,
-            "return_token_ids": True,
-            "n": 1,
-            "stream": False,
-        }
-        if self._model_name is not None:
-            body["model"] = self._model_name
+        body = self._completion_body(prompt, max_tokens=1, temperature=0.0, prompt_logprobs=0)
         rid = f"probe-{self._nonce}-{next(self._ids)}"
         try:
             resp = await client.post(
