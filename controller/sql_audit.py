@@ -277,24 +277,16 @@ def check_select(sql: str) -> str:
     kept: list[str] = []
     ended = False
     for seg in segments:
-        if seg.kind != "code":
-            if ended and seg.kind != "comment":
-                raise QueryRefusedError("only one statement may run: remove what follows ';'")
-            if not ended:
-                kept.append(seg.text)
-            continue
         text = seg.text
-        if ended:
-            if text.strip(" \t\r\n;"):
-                raise QueryRefusedError("only one statement may run: remove what follows ';'")
-            continue
-        cut = text.find(";")
-        if cut >= 0:
-            if text[cut:].strip(" \t\r\n;"):
-                raise QueryRefusedError("only one statement may run: remove what follows ';'")
+        if not ended:
+            if seg.kind != "code" or ";" not in text:
+                kept.append(text)
+                continue
+            before, text = text.split(";", 1)
+            kept.append(before)
             ended = True
-            text = text[:cut]
-        kept.append(text)
+        if seg.kind != "comment" and text.strip(" \t\r\n;"):
+            raise QueryRefusedError("only one statement may run: remove what follows ';'")
     return "".join(kept).rstrip()
 
 
