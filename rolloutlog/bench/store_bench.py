@@ -372,6 +372,16 @@ _TODAY_DDL = (
 )
 
 
+def _event_rows(specs: Sequence[Spec]) -> list[tuple[Any, ...]]:
+    """The ``events`` rows of ``specs`` (columns :data:`_COLS`), as SQLite stores them."""
+    dumps = json.JSONEncoder(separators=(",", ":")).encode
+    return [
+        (RUN_ID, i + 1, 1, _TYPE_NAMES[s.completed], 1,
+         s.recorded_at.isoformat(" ", "microseconds")[:26], dumps(payload_dict(s)))
+        for i, s in enumerate(specs)
+    ]  # fmt: skip
+
+
 def _sql_layer_connection(path: Path) -> sqlite3.Connection:
     """A fresh SQLite file in the store's settings, with the run's ``runs`` row."""
     conn = sqlite3.connect(str(path), isolation_level=None)
@@ -390,12 +400,7 @@ def bench_sql_layer(path: Path, specs: Sequence[Spec], *, batch: int, layout: st
     (the events table alone)."""
     conn = _sql_layer_connection(path)
     try:
-        dumps = json.JSONEncoder(separators=(",", ":")).encode
-        base = [
-            (RUN_ID, i + 1, 1, _TYPE_NAMES[s.completed], 1,
-             s.recorded_at.isoformat(" ", "microseconds")[:26], dumps(payload_dict(s)))
-            for i, s in enumerate(specs)
-        ]  # fmt: skip
+        base = _event_rows(specs)
         n = len(specs)
         # Per batch: (multi-row builder, flat values, rows) of each derived table.
         derived: list[list[tuple[Any, list[Any], int]]] = [[] for _ in range(0, n, batch)]
@@ -483,12 +488,7 @@ def bench_sql_deferred(
             " last_seq BIGINT NOT NULL, keys TEXT NOT NULL, PRIMARY KEY (run_id, first_seq))"
         )
         dumps = json.JSONEncoder(separators=(",", ":")).encode
-        flat_events = [
-            v
-            for i, s in enumerate(specs)
-            for v in (RUN_ID, i + 1, 1, _TYPE_NAMES[s.completed], 1,
-                      s.recorded_at.isoformat(" ", "microseconds")[:26], dumps(payload_dict(s)))
-        ]  # fmt: skip
+        flat_events = [v for row in _event_rows(specs) for v in row]
         keys = [(i + 1, _TYPE_NAMES[s.completed], *_index_keys(s)) for i, s in enumerate(specs)]
         events_bulk = MultiRowInsert("events", _COLS.split(", "))
         columns = _INDEX_COLS.split(", ")[1:]
