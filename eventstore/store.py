@@ -85,10 +85,7 @@ def normalise_url(url: str | URL) -> URL:
         ) from exc
     backend = parsed.get_backend_name()
     if backend == "postgresql":
-        if (
-            parsed.get_driver_name() not in ("psycopg", "psycopg2")
-            or parsed.get_driver_name() == "psycopg2"
-        ):
+        if parsed.get_driver_name() != "psycopg":
             parsed = parsed.set(drivername="postgresql+psycopg")
         pg_chunk_events(parsed)  # a bad value fails the open, naming it
     elif backend == "sqlite":
