@@ -433,12 +433,6 @@ def _first_difference(
     return None
 
 
-def phase_of(state: RunState, group_id: int) -> str:
-    """A group's phase, or 'gone' when it left the state."""
-    g = state.groups.get(group_id)
-    return g.phase.value if g is not None else "gone"
-
-
 __all__ = [
     "CheckResult",
     "Decision",

@@ -1,37 +1,20 @@
 """The rollout index: the controller's audit keys of each event, beside the generic log.
 
-The event store knows nothing about rollouts. The keys audit looks events up by (the
-group, prompt and target step an event is about; the train step and weight version when
-it was recorded) live in the controller's own tables, written by indexers registered
-with the store (:func:`attach`) in the same transaction as their events, so a row exists
-exactly when its event does; a compaction removes them with their events:
+The store knows nothing about rollouts. The keys audit looks events up by (group,
+prompt, target step; train step and weight version when recorded) live in the
+controller's tables, written by indexers registered with the store (:func:`attach`) in
+the same transaction as their events, and compacted with them:
 
-- ``rollout_index``: one row per event that is *not* a sibling event (admissions,
-  commits, selections, steps, engines...), every key as a column, keyed by
-  ``(run_id, seq)`` with partial indexes of the sparse keys and a (type, train step)
-  index ("the batch of step t").
-- ``rollout_sibling_index``: one narrow row ``(run_id, seq, group_id)`` per sibling event
-  (``SiblingDispatched``, ``SiblingCompleted``, ``SiblingFailed``, ``SiblingAborted``),
-  nine in ten events of a run: on SQLite a ``WITHOUT ROWID`` table (its primary key is
-  the table) with a group index that covers every column.
-- ``rollout_step_marks``: the train step and weight version of the sibling events, which
-  change only at step boundaries, as marks: one row ``(run_id, seq, train_step,
-  weight_version)`` at the last event of each run of equal values in an append (and at
-  its end). An event's values are those of the first mark at or after it.
+- ``rollout_index``: one row per non-sibling event, every key a column, keyed by
+  ``(run_id, seq)``, with partial indexes of the sparse keys and a (type, train step) index.
+- ``rollout_sibling_index``: one narrow ``(run_id, seq, group_id)`` row per sibling event
+  (nine in ten events; on SQLite a ``WITHOUT ROWID`` table).
+- ``rollout_step_marks``: the sibling events' train step and weight version as marks, a
+  row at the last event of each run of equal values; an event takes the first mark at or
+  after it.
 
-An event of a sibling type thus writes three B-tree entries (``events`` and its primary
-key, the sibling row and its group index entry: four) instead of six, and binds three
-values instead of eight (revision ``0011_sibling_index``; docs/benchmarks.md).
-
-The tables are created by the controller's own alembic revisions, the branch
-``rollout_index`` (``controller/index_migrations``, registered with the store's
-migrations when this module is imported: :data:`SCHEMA_BRANCH`): ``0004_rollout_index``
-created ``rollout_index`` and backfilled it from the audit columns the ``events`` table
-had in revisions 0001-0003, ``0006_rollout_views`` re-created the audit views on top of
-it; ``0009`` made the indexes of the sparse keys partial; ``0010`` dropped the train-
-step index (the type-and-step index serves a step alone); ``0011`` moved the sibling
-events' rows to ``rollout_sibling_index`` and ``rollout_step_marks``.
-
+The tables come from the controller's alembic branch ``rollout_index``
+(``controller/index_migrations``, registered on import: :data:`SCHEMA_BRANCH`).
 Lookups (:func:`read_where`) and history reads (:func:`read_indexed`) return
 :class:`IndexedEvent`: a stored event plus its keys, whichever table holds them.
 """

@@ -38,6 +38,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from rolloutlog.eventstore import EventStore, RunNotFoundError, StoreError
+from rolloutlog.eventstore.driver_errors import DriverFault, driver_fault
 
 # The views audited are the rollout index's branch: its module registers that branch, so
 # the schema check of the log opened here includes it.
@@ -276,24 +277,16 @@ def check_select(sql: str) -> str:
     kept: list[str] = []
     ended = False
     for seg in segments:
-        if seg.kind != "code":
-            if ended and seg.kind != "comment":
-                raise QueryRefusedError("only one statement may run: remove what follows ';'")
-            if not ended:
-                kept.append(seg.text)
-            continue
         text = seg.text
-        if ended:
-            if text.strip(" \t\r\n;"):
-                raise QueryRefusedError("only one statement may run: remove what follows ';'")
-            continue
-        cut = text.find(";")
-        if cut >= 0:
-            if text[cut:].strip(" \t\r\n;"):
-                raise QueryRefusedError("only one statement may run: remove what follows ';'")
+        if not ended:
+            if seg.kind != "code" or ";" not in text:
+                kept.append(text)
+                continue
+            before, text = text.split(";", 1)
+            kept.append(before)
             ended = True
-            text = text[:cut]
-        kept.append(text)
+        if seg.kind != "comment" and text.strip(" \t\r\n;"):
+            raise QueryRefusedError("only one statement may run: remove what follows ';'")
     return "".join(kept).rstrip()
 
 
@@ -878,7 +871,6 @@ class SqlAudit:
         orig = exc.orig if isinstance(exc, sa.exc.DBAPIError) else exc
         lines = str(orig if orig is not None else exc).strip().splitlines()
         msg = lines[0] if lines else type(exc).__name__
-        low = msg.lower()
         if denied:
             what = ", ".join(dict.fromkeys(denied))
             writes = [d for d in denied if not d.startswith("function ")]
@@ -891,21 +883,22 @@ class SqlAudit:
                 f"refused: the query calls {what}, which audit queries may not call; "
                 f"nothing was changed (allowed: {', '.join(sorted(SQLITE_FUNCTIONS))})"
             )
-        if "one statement at a time" in low or "multiple commands" in low:
+        fault = driver_fault(self.dialect, orig)
+        if fault is DriverFault.NOT_ONE_STATEMENT:
             return QueryRefusedError(
-                f"only one statement may run: remove what follows ';' (database said: {msg})"
+                f"only one statement that parses may run (database said: {msg})"
             )
-        if any(w in low for w in ("readonly", "read-only", "read only", "read-write")):
+        if fault is DriverFault.READ_ONLY:
             return ReadOnlyViolationError(
                 f"refused: the audit connection is read-only and the query tried to write; "
                 f"nothing was changed (database said: {msg})"
             )
-        if "permission denied" in low or ("must be" in low and "superuser" in low):
+        if fault is DriverFault.PERMISSION:
             return ReadOnlyViolationError(
                 f"refused: the audit role may only read the log; nothing was changed "
                 f"(database said: {msg})"
             )
-        if "statement timeout" in low or "interrupted" in low:
+        if fault is DriverFault.TIMEOUT:
             return AuditError(f"the query ran past the {self.timeout_s:g}s timeout ({msg})")
         return AuditError(f"the query failed on {self.where}: {msg}")
 

@@ -1,37 +1,19 @@
 """PostgreSQL: a whole append in one round trip.
 
-An append is a compare-and-set on the run's row, the batch's events, their payloads and
-the indexers' derived rows. Sent as separate statements inside BEGIN ... COMMIT, one
-after another, that is at least four round trips (psycopg sends BEGIN and COMMIT on their
-own). Here a batch of up to ``chunk`` events (:data:`DEFAULT_CHUNK_EVENTS`) is one
-statement, run in autocommit mode (a single statement is its own transaction, so it is
-all or nothing): data-modifying CTEs fed by ``unnest`` of one array per column, each
-guarded by ``EXISTS (SELECT 1 FROM cas)`` so nothing is written unless the
-compare-and-set matched. The statement ends with ``pg_notify`` on :data:`CHANNEL`,
-delivered when it commits, so readers that tail the log wake on the append instead of
-polling.
+An append (the compare-and-set on the run's row, the events, payloads and derived rows)
+of up to ``chunk`` events (:data:`DEFAULT_CHUNK_EVENTS`) is one autocommit statement:
+data-modifying CTEs fed by ``unnest`` of one array per column, each guarded by
+``EXISTS (SELECT 1 FROM cas)``, ending with ``pg_notify`` on :data:`CHANNEL` so tailing
+readers wake on commit. A larger batch goes as a libpq *pipeline* in one transaction
+(head with the compare-and-set, which divides by zero when it matched no row; a
+statement per further chunk; the tail), still one round trip, so the server inserts one
+chunk while the client builds the next. An error makes the server skip the rest,
+``COMMIT`` included; the store then drops the connection
+(``EventStore._drop_failed_pipeline``). Statements are prepared.
 
-A larger batch goes as a *pipeline* (libpq's pipeline mode) in one transaction: ``BEGIN``;
-the head (the compare-and-set, the first ``chunk`` events and the payloads), which fails
-with a division by zero when the compare-and-set matched no row; one statement per
-further ``chunk`` events; the tail (the derived rows and the ``pg_notify``); ``COMMIT``.
-Every message is sent without waiting for an answer and the client waits once, at the
-end: still one round trip. What it gains is overlap: the server inserts one chunk while
-the client builds the next one's parameters, instead of all of the client's work coming
-before all of the server's (measured: 1.15x on 500-event chunks of 1,000-event batches,
-1.27x on 250, 1.23x on 125; docs/benchmarks.md). An error in any statement makes the
-server skip the rest, ``COMMIT`` included, so no part of a batch is ever committed; the
-store then closes that connection (psycopg's prepared statements of an aborted pipeline
-may not exist on the server: ``EventStore._drop_failed_pipeline`` says more). The
-statements are prepared, as every repeated statement is: unprepared, planning each
-chunk ate the gain (1.04x instead of 1.27x).
-
-The event columns go as text where they can: psycopg dumps an array element by element
-in Python (about 4 us per event for four columns), while ``string_to_array`` splits one
-text parameter in the server's C code. Types and payloads are joined with the ASCII
-record separator (U+001E), which JSON text never holds unescaped; a batch where one does
-(the store does not parse payloads) goes as arrays instead. Timestamps go as integer
-microseconds since the epoch, exactly.
+Event columns go as text joined with U+001E (split by ``string_to_array`` in the
+server, cheaper than psycopg's per-element array dump) unless a payload holds that
+character; timestamps as exact integer microseconds since the epoch.
 """
 
 from __future__ import annotations

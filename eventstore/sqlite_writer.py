@@ -1,31 +1,18 @@
 """SQLite: the connection that a store's appends use, driven without SQLAlchemy.
 
-An append is one transaction of five to seven statements: ``BEGIN IMMEDIATE``, the
-compare-and-set, the events, one statement per indexer, ``COMMIT``. Through SQLAlchemy,
-each statement costs 10-15 us of Python (execution context, event dispatch, result
-object), and each transaction another 40-50 us (pool checkout, the ``begin`` event,
-commit, the reset on return). That was about 9% of a 1,000-event typed append
-(docs/benchmarks.md). So a store's appends go through one connection of their own. The
-store's engine opens it, so it gets the same pragmas (WAL, ``synchronous``,
-``busy_timeout``); then it leaves the engine's pool, and the store's statements run on
-it directly. Every other write (creating a run, a new epoch, snapshots, compaction)
-still goes through SQLAlchemy: those are not on the hot path.
+An append is one transaction of a few statements, and SQLAlchemy's per-statement and
+per-transaction overhead was a visible share of it (docs/benchmarks.md). So appends use
+one connection of their own, opened by the store's engine (same pragmas) and then taken
+out of its pool; every other write still goes through SQLAlchemy. The rules SQLAlchemy
+kept, kept here:
 
-The rules that SQLAlchemy kept for us, kept here:
-
-- **One thread at a time.** A lock guards the connection. A thread waits for it at most
-  the store's ``busy_timeout_ms`` (the wait that SQLite's own lock would have given
-  it), then gets :class:`StoreUnavailableError`.
-- **Errors as SQLAlchemy words them.** A driver error is wrapped by
-  ``DBAPIError.instance`` (the same class mapping: ``sqlite3.OperationalError`` becomes
-  ``sqlalchemy.exc.OperationalError``...), so the store turns it into its own error
-  hierarchy exactly as on every other path.
-- **Nothing half done stays.** Any failure inside the transaction rolls it back. After
-  a driver error or an interrupt (anything not an ``Exception``), the connection is also
-  closed, and the next append opens a fresh one. A refusal (a conflict, a fenced epoch)
-  or a bad row found in Python keeps it.
-- **Not across a fork.** A connection opened by another process is dropped, never used
-  or closed: SQLite allows neither in a child process.
+- **One thread at a time**: a lock, waited for at most ``busy_timeout_ms``, then
+  :class:`StoreUnavailableError`.
+- **Errors as SQLAlchemy words them**: driver errors are wrapped by
+  ``DBAPIError.instance``, so the store translates them as on every other path.
+- **Nothing half done stays**: a failure rolls back; after a driver error or an
+  interrupt the connection is closed and the next append opens a fresh one.
+- **Not across a fork**: a connection opened by another process is dropped, never used.
 """
 
 from __future__ import annotations

@@ -85,10 +85,7 @@ def normalise_url(url: str | URL) -> URL:
         ) from exc
     backend = parsed.get_backend_name()
     if backend == "postgresql":
-        if (
-            parsed.get_driver_name() not in ("psycopg", "psycopg2")
-            or parsed.get_driver_name() == "psycopg2"
-        ):
+        if parsed.get_driver_name() != "psycopg":
             parsed = parsed.set(drivername="postgresql+psycopg")
         pg_chunk_events(parsed)  # a bad value fails the open, naming it
     elif backend == "sqlite":
@@ -129,12 +126,9 @@ def sqlite_event_values(batch: Sequence[NewEvent], expected_seq: int) -> list[An
     version, recorded_at, payload; the run id and epoch are bound once), timestamps as
     SQLite stores them (:func:`_iso`).
 
-    The append hot path. Columns are laid in by slice assignment (C loops); the one Python
-    loop is the timestamps': one is formatted once per distinct object (a command's
-    events share one), its "YYYY-MM-DD HH:MM:SS" part once per distinct second with the
-    microseconds put in by ``%`` (about 0.13 against 0.94 us for :func:`_iso`). A stamp
-    is in the cached second when it compares within ``[low, high)``: two UTC datetimes
-    compare field by field, exactly and in any year, and faster than ``timestamp()``.
+    The append hot path: columns are laid in by slice assignment; a timestamp is formatted
+    once per distinct object, its seconds part once per distinct second (a stamp is in the
+    cached second when it compares within ``[low, high)``).
     """
     n = len(batch)
     out: list[Any] = [None] * (5 * n)

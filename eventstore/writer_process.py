@@ -1,54 +1,24 @@
 """A writer process: a child that appends a run's commands as they are submitted.
 
-With the committer's thread (:class:`GroupCommitter`), every commit competes with the
-event loop and a trainer in the same process for the GIL: on a 2-core machine the
-thread got the GIL back only after the interpreter's switch interval (5 ms) for each of
-the half-dozen driver calls of a transaction, so commits fell behind while the loop
-was busy and their whole cost landed in the loop's next flush. :class:`ProcessCommitter`
-keeps no thread at all. ``submit`` serialises the command (``marshal``, a microsecond
-or two) and writes it to a pipe; a child process with its own connection appends the
-commands in group-committed transactions on another core; its acknowledgements (offset
-durable, seconds the transaction took) are read back whenever this process looks
-(``durable_seq``, ``submit``, ``flush``, or the event loop's reader callback while an
-``aflush`` waits).
+An opt-in (``store.commit_writer: process``; the default is the committer's thread): the
+child commits on another core, so commits do not wait for the GIL behind a busy event
+loop or trainer. ``submit`` frames the command and writes it to the child's stdin; the
+child appends in group-committed transactions and answers on its stdout (offset durable,
+seconds taken). A flush sends its target offset on a control pipe, the only pipe the
+child watches while it waits out a commit window (a wake-up per command would cost the
+writer). The :class:`Committer` contract holds; every wait has a deadline, and a child
+that dies or stops answering fails the committer with :class:`WriterProcessError`.
 
-Three pipes join the two. Commands go down the child's stdin, which the child does not
-watch while it waits out a commit window (a write to a pipe whose reader sleeps in
-``select`` costs the writer a wake-up, ~5 us, per command): it sleeps on a second,
-control pipe, where a flush sends the offset it waits for, and wakes at once for it.
-Answers come back on the child's stdout. Closing the committer closes the command pipe:
-the child commits what it has read, says so, and exits.
+Lifecycle: constructing starts the child (:meth:`ProcessCommitter.wait_started` waits for
+it), :meth:`ProcessCommitter.health` reports on it, :meth:`ProcessCommitter.close` flushes,
+ends the command pipe and reaps it. POSIX only (:data:`PLATFORMS`: ``pass_fds``, sessions,
+``select`` on pipes). The child runs ``python -m`` in its own session, so it never
+re-runs the parent's main module, Ctrl-C does not reach it, and it exits when its
+command pipe closes or its parent is gone.
 
-The contract is :class:`Committer`'s: offsets at once, a command's events in one
-transaction, durability at ``flush``, and after a failed append nothing more. Every
-wait has a deadline: the child's start (``start_timeout_s``) and its answer while work
-is outstanding (``reply_timeout_s`` plus the lock timeout). A child that dies or stops
-answering fails the committer with :class:`WriterProcessError` and is killed. Errors
-raised by the child's store arrive with their type and attributes.
-
-Lifecycle (an opt-in: ``store.commit_writer: process``; the default is the committer's
-thread). **Start**: constructing the committer spawns the child, which opens the database
-in the background; :meth:`ProcessCommitter.wait_started` blocks until it has.
-**Health**: :meth:`ProcessCommitter.health` (pid, whether it opened the database and is
-alive, the error that stopped it). **Stop**: :meth:`ProcessCommitter.close` (the
-controller's ``close``) flushes, closes the command pipe and reaps the child; a child that
-outlives its deadlines is killed with its process group.
-
-Platforms: POSIX only (Linux, macOS): the child gets its control pipe by ``pass_fds``, runs
-in a session of its own and is waited on with ``select`` on pipes, none of which Windows
-has. On Linux the pipes are enlarged with ``fcntl`` (imported only there).
-
-The child is started with ``python -m`` in its own session (process group), so it never
-re-runs the parent's main module, Ctrl-C in a terminal does not reach it, and a test can
-kill it whole. It exits when its command pipe closes or its parent is gone, so it never
-outlives the parent; whole commands it has read by then are still committed (exactly
-what a thread would have committed a moment earlier).
-
-Frames are a little-endian u64 length, one codec byte (``m``: marshal, ``p``: pickle)
-and the body. Commands go as marshal when they can: timestamps as exact UTC epoch
-microseconds, every other value a str, int, float, bytes, None or a tuple of them;
-anything else (a naive timestamp, an indexer key of another type) goes as pickle, so
-the child's store judges the same objects this process's store would.
+Frames: a little-endian u64 length, a codec byte (``m``: marshal, ``p``: pickle), the
+body. Commands go as marshal (timestamps as UTC epoch microseconds) when they can, else
+as pickle, so the child's store judges the same objects this process's would.
 """
 
 from __future__ import annotations
@@ -126,13 +96,21 @@ def _frame(message: Any) -> bytes:
     try:
         body = b"m" + marshal.dumps(message)
     except ValueError:
-        body = b"p" + pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        return _pickle_frame(message)
     return _HEADER.pack(len(body)) + body
 
 
 def _pickle_frame(message: Any) -> bytes:
     body = b"p" + pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     return _HEADER.pack(len(body)) + body
+
+
+def _frame_end(buf: bytearray) -> int:
+    """Where the first frame of ``buf`` ends, or 0 while it is not whole."""
+    if len(buf) < _HEADER.size:
+        return 0
+    end: int = _HEADER.size + _HEADER.unpack_from(buf)[0]
+    return end if len(buf) >= end else 0
 
 
 def _parse_frames(buf: bytearray) -> list[Any]:
@@ -866,11 +844,8 @@ class _Child:
 
     def next_message(self) -> tuple[Any, ...] | None:
         """The first whole frame's message, removed from the buffer (None: none yet)."""
-        if len(self.buf) < _HEADER.size:
-            return None
-        (length,) = _HEADER.unpack_from(self.buf)
-        end = _HEADER.size + length
-        if len(self.buf) < end:
+        end = _frame_end(self.buf)
+        if not end:
             return None
         body = bytes(self.buf[_HEADER.size + 1 : end])
         message = marshal.loads(body) if self.buf[_HEADER.size] == ord("m") else pickle.loads(body)
@@ -879,12 +854,7 @@ class _Child:
 
     def pending(self) -> bool:
         """Whether a whole command waits to be committed."""
-        if self.carry is not None:
-            return True
-        if len(self.buf) < _HEADER.size:
-            return False
-        length: int = _HEADER.unpack_from(self.buf)[0]
-        return len(self.buf) >= _HEADER.size + length
+        return self.carry is not None or _frame_end(self.buf) > 0
 
     def due(self, next_seq: int, window_s: float) -> bool:
         """Whether the waiting commands commit now rather than wait for more."""

@@ -1,27 +1,18 @@
 """A fake vLLM HTTP engine for the fleet benchmark (and its contract test): no model.
 
-:class:`FakeEngineServer` speaks the subset of the vLLM 0.32 server API that
-:class:`~rolloutlog.controller.backends.vllm_server.VLLMServerBackend` uses (``/health``,
-``/v1/models``, ``/v1/completions`` with token-id prompts, ``/abort_requests``,
-``/collective_rpc reload_weights``, ``/reset_prefix_cache``) over real loopback TCP,
-on a minimal HTTP/1.1 server of the standard library (keep-alive, ``Content-Length``
-bodies; enough for httpx). Generation is delegated to a
-:class:`~rolloutlog.controller.backends.deterministic_backend.DeterministicBackend`, so its output
-is a pure function of (group, sibling, attempt, weight version) — parsed from the request id
-``g{group}-s{sibling}-a{attempt}-...`` the client sends — and it is exactly as strict.
+:class:`FakeEngineServer` speaks the subset of the vLLM server API that
+:class:`~rolloutlog.controller.backends.vllm_server.VLLMServerBackend` uses, over real
+loopback TCP on a minimal standard-library HTTP/1.1 server. Generation is delegated to a
+:class:`~rolloutlog.controller.backends.deterministic_backend.DeterministicBackend`
+(output a pure function of group, sibling, attempt and weight version, parsed from the
+request id). Each engine serves at most ``capacity`` requests at once, each taking
+``latency`` seconds.
 
-Each engine serves at most ``capacity`` requests at once, each taking ``latency``
-seconds: a fixed per-request cost, so throughput scales with the number of engines
-only if the router spreads the load.
-
-Weights, as strict as vLLM's: ``reload_weights`` loads whatever directory it is given
-(the engine keeps it until the next load or a restart, whoever the next client is), the
-weight tag (``/update_weight_version``, ``/weight_info``) is whatever was set last, and
-with ``model_dir`` the engine holds real tensors (the model's at start) and answers
-``prompt_logprobs`` with them (the tiny model's forward pass; the weight probe).
-:attr:`FakeEngineServer.served_with` records, per completion, the fingerprint of the
-weights it held. :meth:`FakeEngineServer.pause` makes it hang (as under SIGSTOP: the
-socket accepts, nothing answers) until :meth:`FakeEngineServer.resume`.
+Weights are as strict as vLLM's: ``reload_weights`` loads whatever directory it is given,
+the weight tag is whatever was set last, and with ``model_dir`` it answers
+``prompt_logprobs`` with real tensors. :attr:`FakeEngineServer.served_with` records the
+weights' fingerprint per completion; :meth:`FakeEngineServer.pause` makes it hang (as
+under SIGSTOP) until :meth:`FakeEngineServer.resume`.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 from wsgiref.simple_server import WSGIServer
@@ -28,12 +28,6 @@ from .exposition import Family
 from .histogram import BucketCounts
 
 log = logging.getLogger(__name__)
-
-
-def render_family(fam: Family, extra: Mapping[str, str] | None = None) -> Metric:
-    """One projection family as a prometheus-client metric family (``extra``: labels
-    added to every sample, e.g. ``run_id``)."""
-    return render_families(fam.name, [(fam, dict(extra or {}))])
 
 
 def render_families(name: str, parts: Sequence[tuple[Family, dict[str, str]]]) -> Metric:

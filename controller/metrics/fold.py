@@ -170,16 +170,10 @@ class _CounterContainers:
 
 class WorkTotals(_CounterContainers):
     """Work done by a run: the counters summed over **every stored event** of the run,
-    all epochs, branches a restore abandoned included.
-
-    This is what the exported ``*_total`` counters (and the staleness histogram) show:
-    it only ever grows, across restores and takeovers, as a Prometheus counter must. Each
-    event counts once, in the context of the history it was written in (a follower folds
-    every event in offset order, switching branches at each new epoch), so e.g. a group
-    committed in a branch that a restore abandoned and committed again after the restore
-    counts twice: it was done twice. Completions *salvaged* by a restore (recorded again
-    in the new epoch, ``salvaged_from`` set) are not counted again. The history's own
-    counts stay on :class:`MetricsProjection` (``history_counters``).
+    abandoned branches included (what the exported ``*_total`` counters show: they only
+    grow, across restores). Work redone after a restore counts again; completions
+    *salvaged* by a restore (``salvaged_from`` set) do not. The history's own counts stay
+    on :class:`MetricsProjection` (``history_counters``).
     """
 
     def __init__(self) -> None:
@@ -248,17 +242,11 @@ class MetricsProjection(_CounterContainers):
     (:attr:`applied_segments`) so a follower can tell whether the projection is still a
     prefix of the log's current history (see :meth:`consistent_with`).
 
-    :attr:`state` is the domain state of the history folded so far, evolved with the
-    domain's ``evolve``: the group gauges and the per-group sums are read from it. A fold
-    that starts in the middle of a history (a compacted run) starts from the domain
-    snapshot there (:meth:`from_domain_state`, or the metrics base of
-    :mod:`rolloutlog.controller.metrics.retention`). If ``evolve`` refuses an event (only
-    possible for a log the controller did not write: hand-built events, a range without
-    its beginning), the projection does not stop: the event's counters and series are
-    still counted (they come from the event itself), the refusal is counted in
-    :attr:`domain_errors` and logged (the first one as a warning), the group the event
-    names takes the phase the event states (``_REFUSED_PHASE``; nothing else of the
-    state changes), and the fold goes on: the group gauges may be off from then on.
+    :attr:`state` is the domain state of the history folded so far (the domain's
+    ``evolve``): the group gauges and per-group sums are read from it. If ``evolve``
+    refuses an event (a log the controller did not write), the fold goes on: the event's
+    counters and series still count, the refusal is counted in :attr:`domain_errors` and
+    logged, and the group takes the phase the event states (``_REFUSED_PHASE``).
     """
 
     def __init__(self, max_engine_labels: int | None = None) -> None:

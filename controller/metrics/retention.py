@@ -1,25 +1,15 @@
 """Metrics that survive compaction: the *metrics base* of a compacted run.
 
-A compaction (:func:`rolloutlog.eventstore.compaction.compact`) removes every event
-before its base snapshot. The domain state survives in that snapshot, but the metrics
-are a fold of the removed events too: the counters, the step and restore series and the
-origin of ``wall_seconds`` (the run's first event). So the controller side of the
-compaction (:func:`compact_with_metrics`, behind ``rolloutlog compact``) first folds the
-metrics up to the base and stores the result: the :class:`MetricsProjection` (without
-its domain state, which the base snapshot holds) and the :class:`WorkTotals` of every
-stored event up to the base, as one zlib-compressed JSON payload of the run
-(``kind="metrics_base"``, id ``metrics-base:<offset>``) in the store's ``payloads``
-table. No event refers to it, so no compaction removes it, and the domain's restore and
-replay never see it (they read the ``snapshots`` table). A compaction that fails after
-the payload was written leaves a payload that nothing reads: a later one at the same
-offset holds the same values (the events before a base never change).
+A compaction removes every event before its base snapshot; the domain state survives in
+the snapshot, but counters, the step and restore series and the origin of
+``wall_seconds`` are a fold of the removed events too. So :func:`compact_with_metrics`
+(behind ``rolloutlog compact``) first folds the metrics up to the base and stores the
+:class:`MetricsProjection` (without its domain state) and the :class:`WorkTotals` as one
+zlib-compressed JSON payload (``kind="metrics_base"``, id ``metrics-base:<offset>``). No
+event refers to it, so no compaction removes it, and restores never read it.
 
-:func:`load_metrics_base` is where every metrics reader of a compacted run starts:
-:func:`~rolloutlog.controller.metrics.projection.project_history` (``rolloutlog
-metrics``), :class:`~rolloutlog.controller.metrics.live.ProjectionFollower` (the log
-tailers of ``serve-metrics`` and the live metrics of a training process). A run
-compacted without a metrics base (by the library ``compact`` alone, or before metrics
-bases existed) starts from the domain snapshot at the base instead, with a warning:
+:func:`load_metrics_base` is where every metrics reader of a compacted run starts. A run
+compacted without one starts from the domain snapshot at the base, with a warning:
 gauges are right, counters, series and ``wall_seconds`` count from the base on.
 """
 

@@ -1,33 +1,13 @@
 """``rolloutlog bench store``: the event store against raw ``sqlite3`` and ``eventsourcing``.
 
-One run writes the SAME logical events (a rollout-shaped mix of the domain's
-``SiblingDispatched`` and ``SiblingCompleted``, audit ids) through each system into its own
-SQLite file in WAL mode with rolloutlog's ``synchronous`` level, in batches of the same
-size, then reads every event back and decodes it:
-
-* ``raw_sqlite3``: the floor. ``json`` text built from plain dicts and timestamps in
-  the text format rolloutlog stores, ``executemany`` into a table with rolloutlog's
-  exact DDL (same columns and indexes), one transaction per batch; read back with one
-  plain ``SELECT`` and ``json.loads``.
-* ``eventsourcing``: the peer library's SQLite recorders (the aggregate recorder, which
-  uses ``executemany`` like rolloutlog, and the application recorder that an
-  ``eventsourcing.Application`` uses by default), with typed frozen-dataclass domain
-  events serialised and deserialised by its ``Mapper`` + ``JSONTranscoder`` (the
-  transcodings an ``Application`` registers), read back page by page with
-  ``select_events``.
-* ``rolloutlog``: the domain's typed pydantic events (``rolloutlog.controller.domain``)
-  through the public API: the domain's ``EventCodec`` (``CODEC``) ``.encode``
-  then ``EventStore.append`` per batch (and, separately, through the committers: its
-  thread, and the writer process the runtime uses on a database);
-  read back with ``EventStore.read`` and ``EventCodec.decode``.
-
-Both typed systems start from already-built event objects (the controller's ``decide``
-produces them anyway); the timed work is serialise + write, and read + deserialise.
-Every system's read-back is checked: the count, and the first and last events against
-what was written.
-
-The scale mode measures the append rate of the last ``window`` appends into a log that
-already holds N events, for several N (the issue's target: 10M within 20% of 100k).
+Each system writes the same rollout-shaped events (``SiblingDispatched`` /
+``SiblingCompleted``) into its own SQLite file (WAL, rolloutlog's ``synchronous``), in
+batches of the same size, then reads every event back and decodes it: ``raw_sqlite3``
+(json text, ``executemany``, rolloutlog's DDL: the floor), ``eventsourcing`` (its two
+SQLite recorders with its ``Mapper`` + ``JSONTranscoder``) and ``rolloutlog`` (the
+domain's ``CODEC`` and ``EventStore``, and its committers). Every read-back is checked
+(count, first and last event). The scale mode measures the append rate into a log
+already holding N events.
 """
 
 from __future__ import annotations
@@ -41,7 +21,7 @@ import statistics
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from importlib import metadata as importlib_metadata
@@ -119,13 +99,8 @@ class Spec:
 
 
 def spec(i: int) -> Spec:
-    """Event ``i`` (0-based) of the workload: each sibling is dispatched, then completes.
-
-    16 siblings per group, 64 groups per step; ids grow with the log as they do in a run.
-    A sibling event is about its group only: ``SiblingDispatched.audit_keys()`` and
-    ``SiblingCompleted.audit_keys()`` name no prompt and no target step, so every system
-    indexes a NULL there, as the controller's rows of these events have.
-    """
+    """Event ``i`` of the workload: each sibling is dispatched, then completes (a sibling
+    event's audit keys name no prompt and no target step, as in a run)."""
     sibling_seq = i // 2
     group = sibling_seq // SIBLINGS_PER_GROUP
     step = group // GROUPS_PER_STEP
@@ -194,11 +169,7 @@ def eventsourcing_event(s: Spec, originator_id: uuid.UUID, version: int) -> Any:
 # ---------------------------------------------------------------------------- results
 @dataclass
 class Measured:
-    """What one system did: events written and read back, and the seconds each took.
-
-    ``*_seconds`` are wall-clock, ``*_cpu_seconds`` the process's CPU time (see
-    :class:`_Stopwatch`); a system that does not read leaves the read times at 0.
-    """
+    """Events written and read back, with wall-clock and CPU seconds (read: 0 if none)."""
 
     append_events: int = 0
     append_seconds: float = 0.0
@@ -210,23 +181,10 @@ class Measured:
 
     @classmethod
     def of(
-        cls,
-        append_events: int,
-        append: _Stopwatch,
-        read_events: int,
-        read: _Stopwatch | None,
-        extra: dict[str, Any],
+        cls, n: int, append: _Stopwatch, read_n: int, read: _Stopwatch | None, extra: dict[str, Any]
     ) -> Measured:
-        """Build from the stopwatches of the append and the read sections."""
-        return cls(
-            append_events,
-            append.wall,
-            append.cpu,
-            read_events,
-            read.wall if read else 0.0,
-            read.cpu if read else 0.0,
-            extra,
-        )
+        r_wall, r_cpu = (read.wall, read.cpu) if read else (0.0, 0.0)
+        return cls(n, append.wall, append.cpu, read_n, r_wall, r_cpu, extra)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready numbers, with events per second."""
@@ -260,17 +218,9 @@ def _check(system: str, what: str, ok: bool) -> None:
 class _Stopwatch:
     """Wall-clock and process-CPU seconds of a timed section.
 
-    Every section starts from the same state (earlier garbage collected); the cyclic GC
-    stays on inside it, as in a real run: what a system allocates per event, it pays
-    for. What is alive when the clock starts (the benchmark's inputs: hundreds of
-    thousands of prebuilt events and specs, no part of any system) is frozen out of the
-    full collections (``gc.freeze()``) until it stops. Else a system that allocates
-    enough to trip a full collection pays for walking the benchmark's heap: the
-    eventsourcing recorder's appends did 3 full collections over it, 0.40-0.48 s of its
-    ~5 s (rolloutlog's none); a run holds no such heap, it streams its events. CPU time
-    (all threads of this process) is reported beside wall time because it is far less
-    disturbed by other load on the machine; it leaves out waiting for fsync, which wall
-    time includes.
+    The GC stays on inside it, but the benchmark's own inputs (prebuilt events, which a
+    run does not hold) are frozen out of full collections, so no system pays for walking
+    them. CPU time is less disturbed by other load; it leaves out waiting for fsync.
     """
 
     def __init__(self) -> None:
@@ -292,12 +242,22 @@ class _Stopwatch:
         gc.unfreeze()
 
 
-def _check_read_back(
-    system: str, n: int, count: int, first_last: tuple[Any, Any], written: Sequence[Any]
-) -> None:
-    """Every event read back, and the first and last equal to what was written."""
+def _read_back(
+    system: str, items: Iterable[Any], decode: Callable[[Any], Any], written: Sequence[Any]
+) -> tuple[int, _Stopwatch]:
+    """Decode every item (timed); check the count and the first and last against what was
+    written. Returns the count and the clock."""
+    count, first, last = 0, None, None
+    with _Stopwatch() as clock:
+        for item in items:
+            last = decode(item)
+            if first is None:
+                first = last
+            count += 1
+    n = len(written)
     _check(system, f"read {count} events, wrote {n}", count == n)
-    _check(system, "first/last event differ", n == 0 or first_last == (written[0], written[-1]))
+    _check(system, "first/last event differ", n == 0 or (first, last) == (written[0], written[-1]))
+    return count, clock
 
 
 def _sqlite_settings(conn: sqlite3.Connection) -> dict[str, Any]:
@@ -313,8 +273,7 @@ def _file_bytes(path: Path) -> int:
 
 # ---------------------------------------------------------------------------- raw sqlite3
 def _events_ddl() -> list[str]:
-    """rolloutlog's events table and the controller's rollout index tables, compiled for
-    SQLite (``events`` first)."""
+    """The events table and the rollout index tables, compiled for SQLite (events first)."""
     dialect = sqlite_dialect.dialect()
     ddl = []
     for table in (events_table, *index_metadata.sorted_tables):
@@ -329,8 +288,7 @@ _TYPE_NAMES = (SiblingDispatched.event_type, SiblingCompleted.event_type)
 
 
 def _marks(keys: Sequence[tuple[int, int, int]]) -> list[tuple[str, int, int, int]]:
-    """The step marks of one batch of ``(seq, train_step, weight_version)``: a mark at the
-    last event of each run of equal values (what the controller's indexer writes)."""
+    """A step mark at the last event of each run of equal (train_step, weight_version)."""
     out = []
     for (seq, step, version), after in zip(keys, [*keys[1:], None], strict=True):
         if after is None or (after[1], after[2]) != (step, version):
@@ -341,9 +299,8 @@ def _marks(keys: Sequence[tuple[int, int, int]]) -> list[tuple[str, int, int, in
 def bench_raw_sqlite(
     path: Path, specs: Sequence[Spec], *, batch: int, synchronous: str
 ) -> Measured:
-    """Raw ``sqlite3``: json text from dicts, ``executemany`` per batch into the tables a
-    controller writes (``events``; ``rollout_sibling_index`` and ``rollout_step_marks``
-    for the workload's sibling events), plain SELECT back."""
+    """Raw ``sqlite3``: json text, ``executemany`` per batch into the tables a controller
+    writes for these events, plain SELECT back."""
     conn = sqlite3.connect(str(path), isolation_level=None)
     try:
         conn.execute("PRAGMA journal_mode = WAL")
@@ -386,29 +343,16 @@ def bench_raw_sqlite(
                 conn.executemany(insert_mark, marks)
                 conn.execute("COMMIT")
         payload_bytes = conn.execute("SELECT SUM(LENGTH(payload)) FROM events").fetchone()[0]
-
-        loads = json.loads
-        count = 0
-        first: Any = None
-        last: Any = None
-        with _Stopwatch() as read_clock:
-            for row in conn.execute(
-                f"SELECT {_COLS} FROM events WHERE run_id = ? ORDER BY seq", (RUN_ID,)
-            ):
-                last = loads(row[6])
-                if first is None:
-                    first = last
-                count += 1
+        cur = conn.execute(f"SELECT {_COLS} FROM events WHERE run_id = ? ORDER BY seq", (RUN_ID,))
+        count, read_clock = _read_back("raw_sqlite3", cur, lambda r: json.loads(r[6]), dicts)
     finally:
         conn.close()
-    _check_read_back("raw_sqlite3", n, count, (first, last), dicts)
-    return Measured.of(
-        n,
-        append_clock,
-        count,
-        read_clock,
-        {**settings, "payload_bytes_avg": round((payload_bytes or 0) / max(n, 1), 1)},
-    )
+    extra = {**settings, "payload_bytes_avg": _per_event(payload_bytes, n)}
+    return Measured.of(n, append_clock, count, read_clock, extra)
+
+
+def _per_event(total: int | None, n: int) -> float:
+    return round((total or 0) / max(n, 1), 1)
 
 
 # ---------------------------------------------------------------------------- SQL layer
@@ -428,6 +372,16 @@ _TODAY_DDL = (
 )
 
 
+def _event_rows(specs: Sequence[Spec]) -> list[tuple[Any, ...]]:
+    """The ``events`` rows of ``specs`` (columns :data:`_COLS`), as SQLite stores them."""
+    dumps = json.JSONEncoder(separators=(",", ":")).encode
+    return [
+        (RUN_ID, i + 1, 1, _TYPE_NAMES[s.completed], 1,
+         s.recorded_at.isoformat(" ", "microseconds")[:26], dumps(payload_dict(s)))
+        for i, s in enumerate(specs)
+    ]  # fmt: skip
+
+
 def _sql_layer_connection(path: Path) -> sqlite3.Connection:
     """A fresh SQLite file in the store's settings, with the run's ``runs`` row."""
     conn = sqlite3.connect(str(path), isolation_level=None)
@@ -439,27 +393,14 @@ def _sql_layer_connection(path: Path) -> sqlite3.Connection:
 
 
 def bench_sql_layer(path: Path, specs: Sequence[Spec], *, batch: int, layout: str) -> Measured:
-    """Rows already built, the SQL layer only, one transaction per batch.
-
-    ``today``: the 12-column events table with its five indexes, ``executemany`` (the
-    code of that revision). ``now``: the generic events table plus the controller's
-    rollout index as it ships (revision 0011: the rows its indexers build for each
-    batch, here the sibling index and step marks), each table's rows in the multi-row
-    statements the store issues (:func:`rolloutlog.eventstore.store.events_insert` and
-    :func:`~rolloutlog.eventstore.store.derived_insert`: the run id and epoch bound once
-    per statement).
-    ``fat_index``: as ``now`` but one ``rollout_index`` row of every key per event (the
-    layout of revision 0010). ``generic``: the events table alone, as the store writes
-    it without an indexer.
-    """
+    """Rows already built, the SQL layer only, one transaction per batch. ``layout``:
+    ``today`` (revisions 0001-0003's 12-column table, ``executemany``), ``now`` (the
+    events table and the rollout index as shipped, in the store's multi-row statements),
+    ``fat_index`` (revision 0010's index: a row of every key per event) or ``generic``
+    (the events table alone)."""
     conn = _sql_layer_connection(path)
     try:
-        dumps = json.JSONEncoder(separators=(",", ":")).encode
-        base = [
-            (RUN_ID, i + 1, 1, _TYPE_NAMES[s.completed], 1,
-             s.recorded_at.isoformat(" ", "microseconds")[:26], dumps(payload_dict(s)))
-            for i, s in enumerate(specs)
-        ]  # fmt: skip
+        base = _event_rows(specs)
         n = len(specs)
         # Per batch: (multi-row builder, flat values, rows) of each derived table.
         derived: list[list[tuple[Any, list[Any], int]]] = [[] for _ in range(0, n, batch)]
@@ -512,8 +453,7 @@ def bench_sql_layer(path: Path, specs: Sequence[Spec], *, batch: int, layout: st
 
 
 class _FatIndexer:
-    """Revision 0010's rollout index: one row of every key per keyed event (for the SQL
-    layer's comparison of the two layouts)."""
+    """Revision 0010's rollout index: one row of every key per keyed event."""
 
     table = "rollout_index"
     columns = tuple(_INDEX_COLS.split(", "))
@@ -533,17 +473,10 @@ def bench_sql_deferred(
     batch: int,
     catch_up_batches: int = DEFERRED_CATCH_UP_BATCHES,
 ) -> Measured:
-    """The layout the performance issue measured: the index off the append path.
-
-    Each append writes the events (multi-row, as the store does) and ONE row of a
-    pending table holding the batch's index keys as a JSON array; every
-    ``catch_up_batches`` batches a catch-up transaction moves them into the indexed
-    ``rollout_index`` (``INSERT ... SELECT`` over ``json_each``, then ``DELETE``), in
-    SQLite's C code. ``append_*`` counts the appends alone; ``with_catch_up_eps``
-    counts the catch-ups too. SQLite has one writer at a time, so a catch-up holds off
-    the appends while it runs, wherever it is scheduled: the second rate is the
-    sustained one.
-    """
+    """The index off the append path: each append writes its events and one pending row
+    of the batch's index keys (JSON); every ``catch_up_batches`` batches a transaction
+    moves them into ``rollout_index``. ``append_*`` counts the appends alone,
+    ``with_catch_up_eps`` the catch-ups too (the sustained rate: SQLite has one writer)."""
     from rolloutlog.eventstore.bulk import MultiRowInsert
 
     conn = _sql_layer_connection(path)
@@ -555,12 +488,7 @@ def bench_sql_deferred(
             " last_seq BIGINT NOT NULL, keys TEXT NOT NULL, PRIMARY KEY (run_id, first_seq))"
         )
         dumps = json.JSONEncoder(separators=(",", ":")).encode
-        flat_events = [
-            v
-            for i, s in enumerate(specs)
-            for v in (RUN_ID, i + 1, 1, _TYPE_NAMES[s.completed], 1,
-                      s.recorded_at.isoformat(" ", "microseconds")[:26], dumps(payload_dict(s)))
-        ]  # fmt: skip
+        flat_events = [v for row in _event_rows(specs) for v in row]
         keys = [(i + 1, _TYPE_NAMES[s.completed], *_index_keys(s)) for i, s in enumerate(specs)]
         events_bulk = MultiRowInsert("events", _COLS.split(", "))
         columns = _INDEX_COLS.split(", ")[1:]
@@ -609,19 +537,14 @@ def bench_sql_deferred(
     _check("sql deferred", "the last index row differs", n == 0 or last == (RUN_ID, *keys[-1]))
     total_wall, total_cpu = clock.wall, clock.cpu
     clock.wall, clock.cpu = total_wall - catch_up_wall, total_cpu - catch_up_cpu
-    return Measured.of(
-        n,
-        clock,
-        0,
-        None,
-        {
-            "layout": "deferred",
-            "catch_up_batches": catch_up_batches,
-            "catch_up_seconds": round(catch_up_wall, 4),
-            "with_catch_up_eps": _eps(n, total_wall),
-            "with_catch_up_cpu_eps": _eps(n, total_cpu),
-        },
-    )
+    extra = {
+        "layout": "deferred",
+        "catch_up_batches": catch_up_batches,
+        "catch_up_seconds": round(catch_up_wall, 4),
+        "with_catch_up_eps": _eps(n, total_wall),
+        "with_catch_up_cpu_eps": _eps(n, total_cpu),
+    }
+    return Measured.of(n, clock, 0, None, extra)
 
 
 # ---------------------------------------------------------------------------- eventsourcing
@@ -687,38 +610,22 @@ def bench_eventsourcing(
             cur.execute(f"SELECT SUM(LENGTH(state)) FROM {recorder.events_table_name}")
             state_bytes = cur.fetchone()[0]
 
-        to_domain = mapper.to_domain_event
-        count = 0
-        first: Any = None
-        last_event: Any = None
-        with _Stopwatch() as read_clock:
+        def pages() -> Iterator[Any]:
             after = 0
             while True:
                 page = recorder.select_events(originator_id, gt=after, limit=page_size)
-                for stored in page:
-                    last_event = to_domain(stored)
-                    if first is None:
-                        first = last_event
-                    count += 1
+                yield from page
                 if len(page) < page_size:
-                    break
+                    return
                 after = page[-1].originator_version
+
+        system = f"eventsourcing ({recorder_kind} recorder)"
+        count, read_clock = _read_back(system, pages(), mapper.to_domain_event, domain_events)
     finally:
         datastore.close()
-    _check_read_back(
-        f"eventsourcing ({recorder_kind} recorder)", n, count, (first, last_event), domain_events
-    )
-    return Measured.of(
-        n,
-        append_clock,
-        count,
-        read_clock,
-        {
-            **settings,
-            "recorder": recorder_cls.__name__,
-            "payload_bytes_avg": round((state_bytes or 0) / max(n, 1), 1),
-        },
-    )
+    extra = {**settings, "recorder": recorder_cls.__name__}
+    extra["payload_bytes_avg"] = _per_event(state_bytes, n)
+    return Measured.of(n, append_clock, count, read_clock, extra)
 
 
 # ---------------------------------------------------------------------------- rolloutlog
@@ -736,8 +643,8 @@ def _encode_slice(
     *,
     with_index: bool,
 ) -> list[NewEvent]:
-    """Events ``start .. start + n - 1`` encoded as the runtime encodes them (timed): one
-    ``encode_many`` call per command, each event with its own time and index keys."""
+    """Events ``start .. start + n - 1`` encoded as the runtime encodes them (one
+    ``encode_many`` call per command)."""
     part = specs[start : start + n]
     return codec.encode_many(
         models[start : start + n],
@@ -764,8 +671,7 @@ def _append_batches(
 
 
 def pydantic_codec() -> EventCodec:
-    """The domain's event classes in a codec that writes every event with pydantic's
-    serialiser (``fast_json=False``): the baseline of the codec's msgspec path."""
+    """The domain's events in a codec that serialises with pydantic (``fast_json=False``)."""
     codec = EventCodec(fast_json=False)
     for cls in CODEC.types.values():
         codec.register(cls)
@@ -782,10 +688,7 @@ def bench_rolloutlog(
     fast_json: bool = True,
 ) -> Measured:
     """rolloutlog's public API: EventCodec + EventStore.append; EventStore.read + decode.
-
-    ``with_index``: the controller's rollout index is written in each append, as in a
-    run; without it, the generic store alone (what the peer library is). ``fast_json``
-    False: the codec writes every event with pydantic (:func:`pydantic_codec`)."""
+    ``with_index``: the rollout index is written too, as in a run."""
     codec = make_codec() if fast_json else pydantic_codec()
     models = [rolloutlog_event(s) for s in specs]
     n = len(models)
@@ -800,25 +703,10 @@ def bench_rolloutlog(
         _check("rolloutlog", f"last sequence {last}, wrote {n}", last == n)
         with store.engine.connect() as conn:
             payload_bytes = conn.exec_driver_sql("SELECT SUM(LENGTH(payload)) FROM events").scalar()
-
-        decode = codec.decode
-        count = 0
-        first: Any = None
-        last_event: Any = None
-        with _Stopwatch() as read_clock:
-            for row in store.read(RUN_ID, page_size=page_size):
-                last_event = decode(row)
-                if first is None:
-                    first = last_event
-                count += 1
-    _check_read_back("rolloutlog", n, count, (first, last_event), models)
-    return Measured.of(
-        n,
-        append_clock,
-        count,
-        read_clock,
-        {**settings, "payload_bytes_avg": round((payload_bytes or 0) / max(n, 1), 1)},
-    )
+        rows = store.read(RUN_ID, page_size=page_size)
+        count, read_clock = _read_back("rolloutlog", rows, codec.decode, models)
+    extra = {**settings, "payload_bytes_avg": _per_event(payload_bytes, n)}
+    return Measured.of(n, append_clock, count, read_clock, extra)
 
 
 def bench_group_commit(
@@ -829,11 +717,8 @@ def bench_group_commit(
     submit_size: int = SIBLINGS_PER_GROUP,
     writer: CommitWriter = "thread",
 ) -> Measured:
-    """rolloutlog through a committer: ``submit`` a group's worth at a time, then flush.
-
-    ``writer="process"``: the runtime's path on a database (a writer process appends on
-    another core); its child is started (the database opened) before the clock, and
-    its CPU time is added to this process's (``cpu_seconds`` counts both)."""
+    """rolloutlog through a committer: ``submit`` a group's worth at a time, then flush
+    (a writer process is started before the clock; its CPU time is counted)."""
     codec = make_codec()
     models = [rolloutlog_event(s) for s in specs]
     n = len(models)
@@ -940,14 +825,9 @@ def run_store_benchmark(
     keep_files: bool = False,
     progress: _ProgressFn | None = None,
 ) -> dict[str, Any]:
-    """Measure append and read+decode throughput of every system on the same events.
-
-    Each system runs ``repeat`` times, interleaved (round-robin, rotating the order), each
-    time on a fresh file; the best append and the best read of each system count, and
-    every sample is reported. Returns a JSON-ready dict: ``systems`` (numbers per system),
-    ``ratios`` (rolloutlog ÷ baseline, events per second), ``targets`` and ``met``.
-    ``append_vs_eventsourcing`` and ``read_vs_eventsourcing`` compare with the FASTER of
-    the two eventsourcing recorders; the per-recorder ratios are reported too.
+    """Append and read+decode throughput of every system on the same events: ``repeat``
+    interleaved rounds on fresh files, best of each counts. Returns ``systems``, ``ratios``
+    (rolloutlog ÷ baseline; against eventsourcing: the faster recorder), ``targets``, ``met``.
     """
     if events < 1 or batch < 1 or page_size < 1 or repeat < 1:
         raise ValueError("events, batch, page_size and repeat must be >= 1")
@@ -1028,10 +908,7 @@ def run_store_benchmark(
 
 
 def _store_ratios(out: dict[str, dict[str, Any]], kind: str) -> dict[str, float | None]:
-    """rolloutlog ÷ baseline from wall-clock (kind "") or CPU (kind "_cpu") rates.
-
-    The eventsourcing ratios without a recorder suffix use the faster recorder.
-    """
+    """rolloutlog ÷ baseline from wall-clock (kind "") or CPU (kind "_cpu") rates."""
     append, read = f"append{kind}_eps", f"read{kind}_eps"
     rl, raw = out["rolloutlog"], out["raw_sqlite3"]
     es = {
@@ -1084,9 +961,7 @@ def _paired_median_of(num: Sequence[Measured], den: Sequence[Measured], field: s
 def _paired_vs_eventsourcing(
     samples: dict[str, list[Measured]], kind: str
 ) -> dict[str, float | None]:
-    """rolloutlog ÷ the faster eventsourcing recorder, per round, median over the rounds
-    (wall-clock, kind "", or CPU, "_cpu"): less swayed by one lucky or unlucky sample on a
-    noisy machine than the ratio of bests, reported beside it (the target stays on it)."""
+    """rolloutlog ÷ the faster eventsourcing recorder, median over rounds of paired ratios."""
     rounds = list(
         zip(
             samples["eventsourcing_aggregate_recorder"],
@@ -1125,17 +1000,10 @@ def run_scale_benchmark(
     keep_files: bool = False,
     progress: _ProgressFn | None = None,
 ) -> dict[str, Any]:
-    """Append rate of ``window`` appends made into a log already holding N events.
-
-    Every log is first filled with N events through ``EventStore.append`` (the same path,
-    batch size and events as the measurement; the rate of every 100k-event chunk of the
-    fill is reported too). Then, ``repeat`` rounds: in each round the next ``window``
-    events are encoded and appended to every log, in ``slices`` slices that alternate
-    between the logs, so all sizes are measured side by side under the same load (round
-    r starts at N + r * window events). The best round of each size counts; every round
-    is reported. The ratio
-    ``append_<largest>_vs_<smallest>`` is the largest size's rate over the smallest's,
-    ``paired_ratios`` the same ratio round by round.
+    """Append rate of ``window`` appends into logs already holding N events (filled through
+    ``EventStore.append``). Each of ``repeat`` rounds appends to every log in ``slices``
+    alternating slices (same load for all sizes); the best round counts.
+    ``append_<largest>_vs_<smallest>`` compares the rates, ``paired_ratios`` per round.
     """
     sizes = sorted(set(sizes))
     if not sizes or sizes[0] < 0 or min(window, batch, repeat, slices) < 1:
@@ -1367,12 +1235,8 @@ _PG_BENCH_TABLES = (*INDEX_TABLES, "events", "epochs", "payloads", "snapshots", 
 
 
 def _pg_cleanup(store: EventStore, run_id: str) -> None:
-    """Remove a bench run's rows from every table, then VACUUM those tables.
-
-    The VACUUM because a server may run without autovacuum (this project's test server
-    does): the dead rows of each removed run would otherwise pile up, and every later
-    measurement would insert beside them (4.2M dead rows, 1.3 GB, had built up in
-    ``events`` before this, and the rate of every system fell with it)."""
+    """Remove a bench run's rows, then VACUUM (a server without autovacuum would pile up
+    dead rows that slow every later measurement)."""
     with store.engine.begin() as conn:
         for table in _PG_BENCH_TABLES:
             conn.exec_driver_sql(f"DELETE FROM {table} WHERE run_id = %s", (run_id,))
@@ -1422,24 +1286,12 @@ def bench_pg_raw_copy(store: EventStore, specs: Sequence[Spec], *, batch: int) -
     return Measured.of(len(rows), clock, 0, None, {})
 
 
-def _typed_rows(
-    models: Sequence[EventModel], specs: Sequence[Spec], start: int, n: int, *, with_index: bool
-) -> list[NewEvent]:
-    """Events ``start .. start + n - 1`` encoded as the runtime encodes them (timed)."""
-    return _encode_slice(CODEC, models, specs, start, n, with_index=with_index)
-
-
 def bench_pg_rolloutlog(
     store: EventStore, specs: Sequence[Spec], *, batch: int, with_index: bool
 ) -> tuple[Measured, list[tuple[float, float]]]:
-    """Typed events through ``EventStore.append`` (one statement per batch), with a
-    reader thread LISTENing: also returns, per append, the seconds from the call to the
-    reader's wake, and from the call's return to the wake.
-
-    The commit lies between the call and its return, so the first is an upper bound of
-    the commit-to-wake latency and the second a lower one: the reader often wakes before
-    the appending thread gets the GIL back to return, so it is often negative.
-    """
+    """Typed events through ``EventStore.append`` with a reader thread LISTENing; also
+    returns per append the seconds from the call, and from its return, to the reader's
+    wake (upper and lower bounds of commit-to-wake; the second is often negative)."""
     from rolloutlog.eventstore.watch import AppendWatcher
 
     run_id = f"bench-rl-{uuid.uuid4().hex[:8]}"
@@ -1479,7 +1331,7 @@ def bench_pg_rolloutlog(
         seq = 1
         with _Stopwatch() as clock:
             for start in range(0, len(models), batch):
-                rows = _typed_rows(models, specs, start, batch, with_index=with_index)
+                rows = _encode_slice(CODEC, models, specs, start, batch, with_index=with_index)
                 started = time.perf_counter()
                 seq = store.append(run_id, rows, expected_seq=seq, epoch=1) + 1
                 returned[seq - 1] = time.perf_counter()
@@ -1499,8 +1351,7 @@ def bench_pg_rolloutlog(
 
 
 def bench_pg_rows_built(store: EventStore, specs: Sequence[Spec], *, batch: int) -> Measured:
-    """``EventStore.append`` of rows encoded before the clock starts: the SQL layer alone,
-    what the raw ``COPY`` (of ready rows) is the floor of."""
+    """``EventStore.append`` of rows encoded before the clock: the SQL layer alone."""
     run_id = f"bench-rows-{uuid.uuid4().hex[:8]}"
     store.create_run(run_id)
     encode = CODEC.encode
@@ -1527,11 +1378,8 @@ def bench_pg_group_commit(
     unit: int = 8,
     writer: CommitWriter = "thread",
 ) -> Measured:
-    """The runtime's path: the caller encodes typed events and submits them a command
-    (``unit`` events) at a time; the committer appends up to ``batch`` per transaction
-    meanwhile (on its thread, or in a writer process, started before the clock); the
-    clock stops when ``flush`` says all is durable. Encoding thus overlaps the
-    server's work, as it does in a training run."""
+    """The runtime's path: encode and submit ``unit`` events at a time while the committer
+    appends up to ``batch`` per transaction; the clock stops when ``flush`` returns."""
     run_id = f"bench-gc-{uuid.uuid4().hex[:8]}"
     store.create_run(run_id)
     models = [rolloutlog_event(s) for s in specs]
@@ -1541,7 +1389,7 @@ def bench_pg_group_commit(
             committer.wait_started(timeout=120)
         with _Stopwatch() as clock:
             for start in range(0, len(models), unit):
-                committer.submit(_typed_rows(models, specs, start, unit, with_index=False))
+                committer.submit(_encode_slice(CODEC, models, specs, start, unit, with_index=False))
             durable = committer.flush(timeout=120)
         _check("group commit", f"durable {durable}, wrote {len(specs)}", durable == len(specs))
     finally:
@@ -1550,18 +1398,12 @@ def bench_pg_group_commit(
     return Measured.of(len(specs), clock, 0, None, {"transactions": len(committer.commit_seconds)})
 
 
-def _paired_median(num: Sequence[Measured], den: Sequence[Measured]) -> float | None:
-    """Median over rounds of the ratio of append rates measured in the same round."""
-    return _paired_median_of(num, den, "append_seconds")
-
-
 def run_pg_store_benchmark(
     url: str, *, events: int = 100_000, batch: int = 1_000, repeat: int = 3,
     progress: _ProgressFn | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """PostgreSQL: rolloutlog's append against raw psycopg COPY into the same table, and
-    the latency from an append's commit to a LISTENing reader's wake (each run on fresh
-    run ids in ``url``'s database, removed afterwards)."""
+    """PostgreSQL: rolloutlog's append against raw psycopg COPY, and the latency from an
+    append to a LISTENing reader's wake (on fresh run ids, removed afterwards)."""
     say = progress or (lambda _msg: None)
     specs = [spec(i) for i in range(events)]
     samples: dict[str, list[Measured]] = {
@@ -1607,6 +1449,9 @@ def run_pg_store_benchmark(
     def p(q: float, xs: list[float] = lat_ms) -> float | None:
         return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
 
+    def paired(num: str, den: str) -> float | None:
+        return _paired_median_of(samples[num], samples[den], "append_seconds")
+
     ratios = {
         "append_vs_raw_copy": _ratio(systems["rolloutlog"]["append_eps"], raw),
         "append_with_rollout_index_vs_raw_copy": _ratio(
@@ -1620,21 +1465,13 @@ def run_pg_store_benchmark(
         "process_commit_vs_raw_copy": _ratio(systems["process_commit"]["append_eps"], raw),
         # The same three, as the median of ratios paired within a round (less swayed
         # by one lucky round of the baseline than the ratio of bests).
-        "append_vs_raw_copy_paired_median": _paired_median(
-            samples["rolloutlog"], samples["raw_copy"]
-        ),
-        "append_rows_built_vs_raw_copy_paired_median": _paired_median(
-            samples["rows_built"], samples["raw_copy"]
-        ),
-        "group_commit_vs_raw_copy_paired_median": _paired_median(
-            samples["group_commit"], samples["raw_copy"]
-        ),
-        "process_commit_vs_raw_copy_paired_median": _paired_median(
-            samples["process_commit"], samples["raw_copy"]
-        ),
+        "append_vs_raw_copy_paired_median": paired("rolloutlog", "raw_copy"),
+        "append_rows_built_vs_raw_copy_paired_median": paired("rows_built", "raw_copy"),
+        "group_commit_vs_raw_copy_paired_median": paired("group_commit", "raw_copy"),
+        "process_commit_vs_raw_copy_paired_median": paired("process_commit", "raw_copy"),
         # What the pipelined append gains over one statement per batch.
-        "append_pipelined_vs_one_statement_paired_median": _paired_median(
-            samples["rolloutlog"], samples["rolloutlog_one_statement"]
+        "append_pipelined_vs_one_statement_paired_median": paired(
+            "rolloutlog", "rolloutlog_one_statement"
         ),
     }
     met = {

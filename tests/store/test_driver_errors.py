@@ -45,6 +45,9 @@ def test_postgres_faults_come_from_the_class() -> None:
     assert postgres_fault(errors.ReadOnlySqlTransaction("x")) is DriverFault.READ_ONLY
     assert postgres_fault(errors.LockNotAvailable("x")) is DriverFault.LOCK_TIMEOUT
     assert postgres_fault(errors.CharacterNotInRepertoire("x")) is DriverFault.BAD_TEXT
-    worded = errors.SyntaxError("cannot execute INSERT in a read-only transaction")
+    assert postgres_fault(errors.InsufficientPrivilege("x")) is DriverFault.PERMISSION
+    assert postgres_fault(errors.QueryCanceled("x")) is DriverFault.TIMEOUT
+    assert postgres_fault(errors.SyntaxError("x")) is DriverFault.NOT_ONE_STATEMENT
+    worded = errors.UndefinedColumn("cannot execute INSERT in a read-only transaction")
     assert postgres_fault(worded) is DriverFault.OTHER
     assert postgres_fault(RuntimeError("read-only")) is DriverFault.OTHER
