@@ -540,14 +540,14 @@ def _measure_round(
 
 def run_trl_benchmark(
     *,
-    backend: str = "torch",
+    backend: str = "deterministic",
     steps: int = 20,
     batch_size: int = 8,
     num_generations: int = 4,
     max_completion_length: int = 16,
     save_steps: int = 5,
     rounds: int = 3,
-    generation_latency_s: float = 0.0,
+    generation_latency_s: float = 0.05,
     model_dir: Path | None = None,
     worker_factory: WorkerFactory | None = None,
     timeout_s: float = 300.0,

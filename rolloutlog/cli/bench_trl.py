@@ -17,9 +17,9 @@ from ._options import json_option, picked, shown
 @click.command("trl")
 @shown(
     "--backend",
-    default="torch",
-    type=click.Choice(["torch", "deterministic"]),
-    help="Generation backend of both workers (the tiny local model).",
+    default="deterministic",
+    type=click.Choice(["deterministic", "torch"]),
+    help="Generation backend of both workers (on the tiny local model).",
 )
 @shown("--steps", default=20, type=click.IntRange(min=1), help="Optimizer steps per round.")
 @shown("--batch-size", default=8, type=click.IntRange(min=1), help="Samples per step.")
@@ -30,9 +30,9 @@ from ._options import json_option, picked, shown
 @shown(
     "--latency",
     "generation_latency_s",
-    default=0.0,
+    default=0.05,
     type=click.FloatRange(min=0),
-    help="Seconds per request (deterministic backend).",
+    help="Seconds per group request (deterministic backend): an engine's time.",
 )
 @json_option()
 def trl(
