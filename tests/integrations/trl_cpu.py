@@ -6,10 +6,10 @@ which neither runs on CPU nor can be downloaded here. This module provides, for 
 only:
 
 - :func:`varlen_attention` / :func:`cpu_tree_attention`: a reference implementation of
-  the same packed ("tree") attention on torch SDPA, registered under TRL's name by
-  :func:`register_cpu_tree_attention` (process-wide: child processes) or by the
-  ``cpu_tree_attention`` fixture of ``tests/integrations/conftest.py`` (undone after the
-  test);
+  the same packed ("tree") attention on torch SDPA, registered under TRL's name with
+  the other CPU fixes of :func:`cpu_patches`, applied by :func:`apply_cpu_patches`
+  (process-wide: child processes) or by the ``trl_on_cpu`` fixture of
+  ``tests/integrations/conftest.py`` (undone after the test);
 - :func:`cpu_config`: an ``AsyncGRPOConfig`` that trains on CPU (no bf16, explicit token
   budget so nothing asks a vLLM server, no reporting);
 - :func:`build_trainer` / :func:`run_training`: the real trainer with a rollout worker
@@ -189,7 +189,7 @@ def cpu_patches() -> list[tuple[Any, str, Any]]:
       ``AsyncGRPOTrainer.__init__`` (it would put the FA3 kernel back);
     - ``get_peak_flops_per_device`` in the trainer module (CUDA-only in TRL 1.16).
 
-    :func:`register_cpu_tree_attention` applies them for good (child processes); the
+    :func:`apply_cpu_patches` applies them for good (child processes); the
     ``trl_on_cpu`` fixture applies them with ``monkeypatch`` (undone after the test).
     """
     from trl.experimental.async_grpo import async_grpo_trainer
@@ -207,7 +207,7 @@ def _noop() -> None:
     return None
 
 
-def register_cpu_tree_attention() -> None:
+def apply_cpu_patches() -> None:
     """Apply :func:`cpu_patches` process-wide (for child processes only)."""
     for target, name, value in cpu_patches():
         if isinstance(target, dict):
@@ -540,6 +540,8 @@ def kill_and_resume(
         raise ValueError(f"kill_at_step {kill_at} must be in [{spec.save_steps}, {spec.max_steps})")
     out = Path(spec.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    for stale in ("progress.json", "result.json"):  # of an earlier run in the same folder
+        (out / stale).unlink(missing_ok=True)
     checkpoint = out / f"checkpoint-{spec.save_steps}"
     deadline = time.monotonic() + deadline_s
     first_spec = TrainRunSpec(**{**asdict(spec), "resume_from_checkpoint": None})
@@ -614,7 +616,7 @@ def _tail(path: Path, limit: int = 6000) -> str:
 def _child_main(spec_path: str) -> int:
     """Entry point of a child: register the CPU attention, train, write ``result.json``."""
     spec = TrainRunSpec(**json.loads(Path(spec_path).read_text()))
-    register_cpu_tree_attention()
+    apply_cpu_patches()
     result = run_training(spec)
     out = Path(spec.output_dir)
     tmp = out / "result.json.tmp"
