@@ -129,3 +129,7 @@ bench.add_command(scale)
 from .bench_fleet import fleet  # noqa: E402
 
 bench.add_command(fleet)
+
+from .bench_trl import trl  # noqa: E402
+
+bench.add_command(trl)
