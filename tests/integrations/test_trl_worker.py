@@ -44,6 +44,7 @@ from rolloutlog.integrations.trl import (
     RolloutlogWorker,
     TrlConfigError,
     UnsupportedTrlFeatureError,
+    WorkerFailedError,
     read_checkpoint,
 )
 
@@ -365,5 +366,74 @@ def test_streaming_dataset(tokenizer: Any, tmp_path: Path) -> None:
         keys = {(g.data_pass, g.prompt_index) for g in worker.controller.state.groups.values()}
         assert worker.controller.state.counters.groups_trained == 6
         assert all(0 <= i < 16 for _, i in keys)
+    finally:
+        worker.stop()
+
+
+def test_weight_transfer_publishes_the_trainers_weights(tokenizer: Any, tmp_path: Path) -> None:
+    """RolloutlogWeightTransfer: TRL's send_weights, then update_model_version, loads the
+    trainer's tensors into the backend (strict names and shapes) and records the version;
+    without a transfer, ``policy=`` is the weights the worker refits its backend from."""
+    import torch
+
+    from rolloutlog.integrations.trl import NoOpWeightTransfer, RolloutlogWeightTransfer
+
+    policy = torch.nn.Linear(3, 2)
+    shapes = {n: list(p.shape) for n, p in policy.named_parameters()}
+    for use_transfer in (True, False):
+        args = _args(tmp_path / str(use_transfer))
+        backend = DeterministicBackend(
+            vocab_size=len(tokenizer),
+            max_model_len=128,
+            eos_token_id=tokenizer.eos_token_id,
+            weight_shapes=shapes,
+        )
+        worker = RolloutlogWorker(
+            store=f"sqlite:///{tmp_path / f'{use_transfer}.db'}",
+            train_dataset=_dataset(),
+            processing_class=tokenizer,
+            reward_funcs=length_reward,
+            backend=backend,
+            args=args,
+            policy=None if use_transfer else policy,
+            timeout_s=60,
+        )
+        transfer = RolloutlogWeightTransfer(worker) if use_transfer else NoOpWeightTransfer()
+        trainer = FakeTrainer(worker, args, tokenizer)
+        transfer.init_weight_transfer()
+        transfer.pause()
+        transfer.send_weights(iter(list(policy.named_parameters())))
+        transfer.resume()
+        trainer.begin()
+        try:
+            for _ in range(2):
+                with torch.no_grad():
+                    policy.weight.add_(1.0)
+                transfer.pause()
+                transfer.send_weights(iter(list(policy.named_parameters())))
+                transfer.resume()
+                trainer.step()
+            assert worker.controller is not None
+            assert worker.controller.state.published_version == 2
+            assert [v for v, _ in backend.weight_updates] == [1, 2]
+            assert set(backend.weight_updates[-1][1]) == set(shapes)  # strict names
+        finally:
+            worker.stop()
+            transfer.destroy()
+
+
+def test_data_running_out_is_one_clear_error(tokenizer: Any, tmp_path: Path) -> None:
+    """One pass over 8 prompts (4 steps of 2 groups): TRL's dataset asks for more and the
+    worker's health check names the cause instead of letting the trainer wait forever."""
+    args = _args(tmp_path)
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    worker = _worker(tokenizer, url, args, dataset=_dataset(8), passes=1)
+    trainer = FakeTrainer(worker, args, tokenizer)
+    trainer.begin()
+    try:
+        for _ in range(3):
+            trainer.step()
+        with pytest.raises(WorkerFailedError, match="the data ran out before train step 4"):
+            trainer.step()  # its prefetch asks for step 4
     finally:
         worker.stop()

@@ -37,6 +37,7 @@ import numpy as np
 from rolloutlog.controller.backends.base import GenerationBackend
 from rolloutlog.controller.config import RolloutConfig, StoreConfig
 from rolloutlog.controller.domain import SelectBatch
+from rolloutlog.controller.domain.admission import data_exhausted
 from rolloutlog.controller.domain.errors import RestoreError
 from rolloutlog.controller.domain.state import GroupState, Phase, SiblingStatus
 from rolloutlog.controller.rollout_controller import RecoveryReport, RolloutController
@@ -230,6 +231,7 @@ class RolloutlogWorker:
         self._to_record: list[_Handed] = []
         self._held_since: float | None = None
         self._held: tuple[int, int] | None = None  # (step, groups held back)
+        self._exhausted: str | None = None
         self._last_counts = (0, 0)  # (evicted, dropped) last pushed
         self._heartbeat = time.time()
         #: Counters (tests, the bench): groups handed to TRL, steps recorded trained.
@@ -289,6 +291,8 @@ class RolloutlogWorker:
             raise WorkerFailedError(
                 f"the rolloutlog worker stopped: {self._error}"
             ) from self._error
+        if self._exhausted is not None and self.rollout_buffer.empty():
+            raise WorkerFailedError(self._exhausted)
         thread = self._thread
         if thread is not None and not thread.is_alive() and not self._stopping.is_set():
             raise WorkerFailedError("the rolloutlog worker's thread ended unexpectedly")
@@ -462,6 +466,13 @@ class RolloutlogWorker:
     def _step_groups(self, controller: RolloutController, s: int) -> list[GroupState] | None:
         """The groups of train step ``s`` if it can be handed over now, else None."""
         state = controller.state
+        if s >= state.dispatch_cursor and data_exhausted(state):
+            self._exhausted = (
+                f"the data ran out before train step {s}: all {state.dataset_size} prompts x "
+                f"{state.passes} pass(es) were pulled; set more passes or stop earlier "
+                "(max_steps, epochs)"
+            )
+            return None
         if s > state.train_step + self.rules.lookahead or s >= state.dispatch_cursor:
             return None
         if s in state.batches:  # selected before a checkpoint (not by this worker)
