@@ -146,8 +146,24 @@ class FakeTrainer:
         self.collate = DataCollatorForRollout(tokenizer.pad_token_id, 1, metrics=self.metrics)
         self.trained_groups: list[int] = []
 
-    def begin(self) -> None:
+    def begin(self, *, accelerate: bool = False) -> None:
         cb = self.worker.callback
+        if accelerate:  # the trainer's real dataloader: accelerate's dispatcher
+            from accelerate import Accelerator
+            from accelerate.utils import DataLoaderConfiguration
+            from torch.utils.data import DataLoader
+
+            accelerator = Accelerator(
+                cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=True)
+            )
+            loader = accelerator.prepare(
+                DataLoader(self.batcher, batch_size=1, collate_fn=self.collate, num_workers=0)
+            )
+            cb.on_train_begin(self.args, self.state, self.control, train_dataloader=loader)
+            self._sync()
+            self.worker.start()
+            self._batches = ((batch, [-1]) for batch in loader)
+            return
         cb.on_train_begin(self.args, self.state, self.control)
         self.collate_fn = cb.wrap_collator(self.collate)
         self._sync()  # TRL: the cold weight sync, then the worker starts
@@ -199,7 +215,7 @@ def test_contract_rewards_advantages_and_hygiene(tokenizer: Any, tmp_path: Path)
     trainer = FakeTrainer(worker, args, tokenizer)
     before = _threads()
     CALLS.clear()
-    trainer.begin()
+    trainer.begin(accelerate=True)  # the callback wraps the real dataloader's collator
     try:
         for _ in range(4):
             trainer.step()
@@ -435,5 +451,27 @@ def test_data_running_out_is_one_clear_error(tokenizer: Any, tmp_path: Path) -> 
             trainer.step()
         with pytest.raises(WorkerFailedError, match="the data ran out before train step 4"):
             trainer.step()  # its prefetch asks for step 4
+    finally:
+        worker.stop()
+
+
+def test_epochs_counted_in_the_log_stop_training(tokenizer: Any, tmp_path: Path) -> None:
+    """epochs=1 over 8 prompts (2 groups a step): training stops at the 4th optimizer step,
+    counted from the log (so a resumed run would stop at the same point)."""
+    args = _args(tmp_path)
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    worker = _worker(tokenizer, url, args, dataset=_dataset(8), epochs=1)
+    trainer = FakeTrainer(worker, args, tokenizer)
+    trainer.begin()
+    try:
+        stopped_at = None
+        for step in range(1, 6):
+            trainer.step()
+            if trainer.control.should_training_stop:
+                stopped_at = step
+                break
+        assert stopped_at == 4 and trainer.control.should_save
+        assert worker.trained_groups() == 8
+        assert max(worker.callback.step_ms) < 1000
     finally:
         worker.stop()

@@ -704,9 +704,13 @@ class RolloutlogWorker:
         return self._call(self._checkpoint())
 
     def trained_groups(self) -> int:
-        """Groups the log records as trained (survives a resume)."""
+        """Groups trained: those the log records (survives a resume) and those of the
+        steps TRL finished whose record waits for the next publish."""
         controller = self.controller
-        return 0 if controller is None else controller.state.counters.groups_trained
+        recorded = 0 if controller is None else controller.state.counters.groups_trained
+        with self._lock:
+            pending = sum(len(h.group_ids) for h in self._to_record)
+        return recorded + pending
 
     def data_exhausted(self) -> bool:
         """Every prompt of every pass was pulled and nothing is left to hand over."""
