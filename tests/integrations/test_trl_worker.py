@@ -1,0 +1,477 @@
+"""RolloutlogWorker against TRL's own pieces, without a model.
+
+The trainer's side is TRL's: ``RolloutQueueDataset`` (with its staleness drop),
+``FixedCountBatcher`` and ``DataCollatorForRollout``, driven like accelerate's dispatcher
+(one micro-batch fetched ahead) and transformers' loop (``gradient_accumulation_steps``
+micro-batches per optimizer step, then ``on_step_end``, the weight sync, ``on_save``),
+with TRL's ``TrainerState``/``TrainerControl``. Generation is the deterministic backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import warnings
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from datasets import Dataset, IterableDataset
+from transformers import TrainerControl, TrainerState
+
+# TRL is the [trl] extra, installed by the set-up (CI fails without it, never skips).
+from trl.experimental.async_grpo import AsyncGRPOConfig
+from trl.experimental.async_grpo.async_grpo_trainer import (
+    DataCollatorForRollout,
+    FixedCountBatcher,
+    RolloutQueueDataset,
+)
+
+from rolloutlog.controller.backends.deterministic_backend import DeterministicBackend
+from rolloutlog.controller.domain import CODEC
+from rolloutlog.controller.prompt_ledger import build_ledger, cross_check
+from rolloutlog.controller.replay_tool import state_at
+from rolloutlog.controller.rollout_index import read_where
+from rolloutlog.eventstore import EventStore
+from rolloutlog.grpo.tiny_model import build_tokenizer
+from rolloutlog.integrations.trl import (
+    CHECKPOINT_FILE,
+    CheckpointStateMissingError,
+    LogMismatchError,
+    RolloutlogWorker,
+    TrlConfigError,
+    UnsupportedTrlFeatureError,
+    WorkerFailedError,
+    read_checkpoint,
+)
+
+G = 4  # num_generations
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return build_tokenizer()
+
+
+def _dataset(n: int = 40) -> Dataset:
+    return Dataset.from_dict(
+        {
+            "prompt": [f"q{i} add {i % 7} and {i % 5}" for i in range(n)],
+            "answer": [i % 9 for i in range(n)],
+        }
+    )
+
+
+CALLS: list[dict[str, Any]] = []
+
+
+def length_reward(
+    prompts: list[Any], completions: list[Any], completion_ids: list[list[int]], **kw: Any
+) -> list[float]:
+    CALLS.append({"prompts": prompts, "completions": completions, "ids": completion_ids, **kw})
+    return [len(ids) / 8.0 for ids in completion_ids]
+
+
+async def async_answer_reward(completions: list[Any], answer: list[int], **kw: Any) -> list[float]:
+    await asyncio.sleep(0)
+    return [float(str(a) in c) for c, a in zip(completions, answer, strict=True)]
+
+
+def _args(tmp_path: Path, *, max_staleness: int = 2, ga: int = 2) -> AsyncGRPOConfig:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AsyncGRPOConfig(
+            output_dir=str(tmp_path / "out"),
+            per_device_train_batch_size=G,  # one group per micro-batch
+            gradient_accumulation_steps=ga,  # ga groups per optimizer step
+            num_generations=G,
+            max_staleness=max_staleness,
+            token_budget=0,
+            report_to=[],
+            max_completion_length=6,
+            use_cpu=True,
+            bf16=False,
+        )
+
+
+def _worker(tokenizer: Any, url: str, args: AsyncGRPOConfig, **kw: Any) -> RolloutlogWorker:
+    backend = DeterministicBackend(
+        vocab_size=len(tokenizer),
+        max_model_len=128,
+        eos_token_id=tokenizer.eos_token_id,
+        seed=0,
+        latency=kw.pop("latency", 0.0),
+    )
+    return RolloutlogWorker(
+        store=url,
+        train_dataset=kw.pop("dataset", None) or _dataset(),
+        processing_class=tokenizer,
+        reward_funcs=[length_reward, async_answer_reward],
+        backend=backend,
+        args=args,
+        timeout_s=60,
+        **kw,
+    )
+
+
+class FakeTrainer:
+    """TRL's data path and transformers' step/callback order, without a model."""
+
+    def __init__(
+        self,
+        worker: RolloutlogWorker,
+        args: AsyncGRPOConfig,
+        tokenizer: Any,
+        *,
+        global_step: int = 0,
+    ) -> None:
+        self.worker, self.args = worker, args
+        self.metrics: dict[str, list[Any]] = defaultdict(list)
+        self.version = 0
+        self.state = TrainerState(global_step=global_step)
+        self.control = TrainerControl()
+        dataset = RolloutQueueDataset(
+            worker.rollout_buffer,
+            lambda: self.version,
+            worker.check_health,
+            stale_after_s=30.0,
+            metrics=self.metrics,
+            max_staleness=args.max_staleness,
+            poll_interval_s=0.05,
+        )
+        self.batcher = FixedCountBatcher(dataset, 1, args.per_device_train_batch_size)
+        self.collate = DataCollatorForRollout(tokenizer.pad_token_id, 1, metrics=self.metrics)
+        self.trained_groups: list[int] = []
+
+    def begin(self, *, accelerate: bool = False) -> None:
+        cb = self.worker.callback
+        if accelerate:  # the trainer's real dataloader: accelerate's dispatcher
+            from accelerate import Accelerator
+            from accelerate.utils import DataLoaderConfiguration
+            from torch.utils.data import DataLoader
+
+            accelerator = Accelerator(
+                cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=True)
+            )
+            loader = accelerator.prepare(
+                DataLoader(self.batcher, batch_size=1, collate_fn=self.collate, num_workers=0)
+            )
+            cb.on_train_begin(self.args, self.state, self.control, train_dataloader=loader)
+            self._sync()
+            self.worker.start()
+            self._batches = ((batch, [-1]) for batch in loader)
+            return
+        cb.on_train_begin(self.args, self.state, self.control)
+        self.collate_fn = cb.wrap_collator(self.collate)
+        self._sync()  # TRL: the cold weight sync, then the worker starts
+        self.worker.start()
+        self._batches = self._dispatcher()
+
+    def _dispatcher(self) -> Iterator[tuple[Any, list[int]]]:
+        source = iter(self.batcher)
+
+        def fetch() -> tuple[Any, list[int]]:
+            rows = next(source)
+            gids = [int(s["group_id"]) for row in rows for s in row.samples]
+            return self.collate_fn([rows]), gids
+
+        current = fetch()
+        while True:
+            ahead = fetch()  # accelerate's DataLoaderDispatcher fetches one ahead
+            yield current
+            current = ahead
+
+    def _sync(self) -> None:
+        self.version += 1
+        self.worker.update_model_version(self.version)
+
+    def step(self) -> None:
+        for _ in range(self.args.gradient_accumulation_steps):
+            _batch, gids = next(self._batches)
+            self.trained_groups.extend(dict.fromkeys(gids))
+        self.state.global_step += 1
+        self.worker.callback.on_step_end(self.args, self.state, self.control)
+        self._sync()
+
+    def save(self) -> Path:
+        folder = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
+        folder.mkdir(parents=True, exist_ok=True)
+        self.worker.callback.on_save(self.args, self.state, self.control)
+        return folder
+
+
+def _threads() -> set[threading.Thread]:
+    # TRL's RolloutQueueDataset starts a daemon trace logger that never ends: not ours.
+    return {t for t in threading.enumerate() if t.name != "rollout-trace-logger"}
+
+
+def test_contract_rewards_advantages_and_hygiene(tokenizer: Any, tmp_path: Path) -> None:
+    args = _args(tmp_path)
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    worker = _worker(tokenizer, url, args)
+    trainer = FakeTrainer(worker, args, tokenizer)
+    before = _threads()
+    CALLS.clear()
+    trainer.begin(accelerate=True)  # the callback wraps the real dataloader's collator
+    try:
+        for _ in range(4):
+            trainer.step()
+        assert worker.steps_recorded == 4
+        assert worker.controller is not None
+        state = worker.controller.state
+        assert state.train_step == 4 and state.counters.groups_trained == 4 * 2
+        # TRL's signature: prompts, completions, completion_ids and the dataset's columns
+        call = CALLS[0]
+        assert set(call) == {"prompts", "completions", "ids", "answer"}
+        assert isinstance(call["prompts"][0], str) and isinstance(call["completions"][0], str)
+        # TRL's advantages per group, from the rewards the log holds
+        sample = trainer.worker.rollout_buffer.get(timeout=10)
+        group = state.groups[sample.group_id]
+        rewards = sorted(s.reward for s in group.siblings)
+        assert sample.metrics["reward"] in rewards
+        r = np.array(rewards)
+        expected = (sample.metrics["reward"] - r.mean()) / (r.std() + 1e-8)
+        assert sample.advantage == pytest.approx(expected)
+        assert sample.model_version == group.oldest_version() + 1  # TRL's numbering
+        assert "rewards/length_reward" in sample.metrics
+        assert len(sample.input_ids) == len(sample.completion_mask) == len(sample.old_log_probs)
+        # metrics reach TRL's format: floats or (numerator, denominator) pairs
+        item = worker.metrics_queue.get_nowait()
+        assert all(isinstance(v, float | tuple) for v in item.values())
+        assert not trainer.metrics.get("sample/dropped_stale_total")
+    finally:
+        worker.stop()
+    assert _threads() == before
+
+
+def _jitter(request: Any) -> float:
+    return 0.002 * (request.group_id % 5)  # uneven generation times
+
+
+def test_staleness_is_owned_by_the_log(tokenizer: Any, tmp_path: Path) -> None:
+    """max_staleness=1, generation one step ahead with uneven latencies: every group TRL
+    receives is within the bound when it trains (the log's selections say so), TRL's
+    RolloutQueueDataset drops none, and a lookahead past max_staleness is refused."""
+    args = _args(tmp_path, max_staleness=1)
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    with pytest.raises(
+        TrlConfigError, match="lookahead=2: it must be between 1 and max_staleness=1"
+    ):
+        _worker(tokenizer, url, args, lookahead=2)
+    worker = _worker(tokenizer, url, args, latency=_jitter)
+    trainer = FakeTrainer(worker, args, tokenizer)
+    trainer.begin()
+    try:
+        for _ in range(8):
+            trainer.step()
+        assert worker.controller is not None
+        evicted = worker.controller.state.counters.groups_evicted
+    finally:
+        worker.stop()
+    assert sum(trainer.metrics.get("sample/dropped_stale_total", [])) == 0
+    assert len(trainer.metrics["sample/staleness_max"]) >= 8 * 2 * G
+    assert max(trainer.metrics["sample/staleness_max"]) <= 1
+    store = EventStore.open(url)
+    try:
+        run_id = worker.run_id or ""
+        selected = read_where(store, run_id, event_type="GroupSelected")
+        staleness = [CODEC.decode(e).staleness for e in selected]  # type: ignore[attr-defined]
+        assert len(staleness) == 8 * 2 and max(staleness) <= 1
+        assert evicted == len(read_where(store, run_id, event_type="GroupEvicted")) == 0
+    finally:
+        store.close()
+
+
+def test_resume_from_on_save_checkpoint(tokenizer: Any, tmp_path: Path) -> None:
+    args = _args(tmp_path)
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    worker = _worker(tokenizer, url, args, latency=0.02)
+    trainer = FakeTrainer(worker, args, tokenizer)
+    trainer.begin()
+    try:
+        for _ in range(3):
+            trainer.step()
+        folder = trainer.save()
+        # taken by TRL (queued, prefetched) but not trained at the save
+        taken = {g for h in worker._handed for g in h.group_ids}
+        trainer.step()  # trained after the checkpoint: comes back after the resume
+        trainer.step()
+    finally:
+        worker.stop()  # the run ends here (a crash would leave the same log, less aborts)
+    ckpt = read_checkpoint(folder)
+    assert (folder / CHECKPOINT_FILE).is_file() and ckpt.train_step == 3
+    assert taken
+
+    resumed = _worker(tokenizer, url, args, latency=0.02)
+    trainer2 = FakeTrainer(resumed, args, tokenizer, global_step=3)
+    trainer2.begin()  # on_train_begin finds checkpoint-3 and restores the worker
+    try:
+        for _ in range(4):
+            trainer2.step()
+        assert resumed.recovery is not None
+        report = resumed.recovery
+        assert report.complete_groups_restored + report.unfinished_groups_found > 0
+        assert taken <= set(trainer2.trained_groups)  # they came back and trained
+    finally:
+        resumed.stop()
+    store = EventStore.open(url)
+    try:
+        run_id = resumed.run_id or ""
+        ledger = build_ledger(store, run_id)
+        state = state_at(store, run_id, None)
+        check = cross_check(ledger, state)
+        assert check.prompts_lost == 0
+        assert check.prompts_trained_twice == 0
+        assert check.prompts_trained == 7 * 2
+        # the groups in flight at the checkpoint: their completions made after it were
+        # salvaged into the new epoch, and those siblings were not generated again
+        assert report.siblings_salvaged > 0
+        salvaged: dict[int, set[int]] = defaultdict(set)
+        for row in read_where(store, run_id, event_type="SiblingCompleted"):
+            ev = CODEC.decode(row)
+            if row.epoch == 2 and ev.salvaged_from is not None:  # type: ignore[attr-defined]
+                salvaged[ev.group_id].add(ev.sibling)  # type: ignore[attr-defined]
+        assert sum(len(v) for v in salvaged.values()) == report.siblings_salvaged
+        for gid, sibs in salvaged.items():
+            rows = read_where(store, run_id, group_id=gid, event_type="SiblingDispatched")
+            assert any(row.epoch == 1 for row in rows)  # generated before the checkpoint
+            again = {CODEC.decode(r).sibling for r in rows if r.epoch == 2}  # type: ignore[attr-defined]
+            assert not sibs & again
+            assert gid in trainer2.trained_groups
+    finally:
+        store.close()
+
+
+def test_resume_refusals(tokenizer: Any, tmp_path: Path) -> None:
+    args = _args(tmp_path)
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    worker = _worker(tokenizer, url, args)
+    empty = tmp_path / "out" / "checkpoint-9"
+    empty.mkdir(parents=True)
+    with pytest.raises(CheckpointStateMissingError, match=r"has no rolloutlog_state\.json"):
+        worker.resume_from(str(empty))
+    trainer = FakeTrainer(worker, args, tokenizer)
+    trainer.begin()
+    try:
+        trainer.step()
+        folder = trainer.save()
+    finally:
+        worker.stop()
+    other = _worker(tokenizer, url, args, dataset=_dataset(41))
+    with pytest.raises(LogMismatchError, match="resume with the same train_dataset"):
+        other.resume_from(str(folder))
+    with pytest.raises(UnsupportedTrlFeatureError, match="tools/environment_factory"):
+        _worker(tokenizer, url, args, tools=[length_reward])
+
+
+def test_streaming_dataset(tokenizer: Any, tmp_path: Path) -> None:
+    rows = _dataset(16).to_list()
+    stream = IterableDataset.from_generator(lambda: iter(rows))
+    args = _args(tmp_path)
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    worker = _worker(tokenizer, url, args, dataset=stream, dataset_size=16)
+    trainer = FakeTrainer(worker, args, tokenizer)
+    trainer.begin()
+    try:
+        for _ in range(3):
+            trainer.step()
+        assert worker.controller is not None
+        keys = {(g.data_pass, g.prompt_index) for g in worker.controller.state.groups.values()}
+        assert worker.controller.state.counters.groups_trained == 6
+        assert all(0 <= i < 16 for _, i in keys)
+    finally:
+        worker.stop()
+
+
+def test_weight_transfer_publishes_the_trainers_weights(tokenizer: Any, tmp_path: Path) -> None:
+    """RolloutlogWeightTransfer: TRL's send_weights, then update_model_version, loads the
+    trainer's tensors into the backend (strict names and shapes) and records the version;
+    without a transfer, ``policy=`` is the weights the worker refits its backend from."""
+    import torch
+
+    from rolloutlog.integrations.trl import NoOpWeightTransfer, RolloutlogWeightTransfer
+
+    policy = torch.nn.Linear(3, 2)
+    shapes = {n: list(p.shape) for n, p in policy.named_parameters()}
+    for use_transfer in (True, False):
+        args = _args(tmp_path / str(use_transfer))
+        backend = DeterministicBackend(
+            vocab_size=len(tokenizer),
+            max_model_len=128,
+            eos_token_id=tokenizer.eos_token_id,
+            weight_shapes=shapes,
+        )
+        worker = RolloutlogWorker(
+            store=f"sqlite:///{tmp_path / f'{use_transfer}.db'}",
+            train_dataset=_dataset(),
+            processing_class=tokenizer,
+            reward_funcs=length_reward,
+            backend=backend,
+            args=args,
+            policy=None if use_transfer else policy,
+            timeout_s=60,
+        )
+        transfer = RolloutlogWeightTransfer(worker) if use_transfer else NoOpWeightTransfer()
+        trainer = FakeTrainer(worker, args, tokenizer)
+        transfer.init_weight_transfer()
+        transfer.pause()
+        transfer.send_weights(iter(list(policy.named_parameters())))
+        transfer.resume()
+        trainer.begin()
+        try:
+            for _ in range(2):
+                with torch.no_grad():
+                    policy.weight.add_(1.0)
+                transfer.pause()
+                transfer.send_weights(iter(list(policy.named_parameters())))
+                transfer.resume()
+                trainer.step()
+            assert worker.controller is not None
+            assert worker.controller.state.published_version == 2
+            assert [v for v, _ in backend.weight_updates] == [1, 2]
+            assert set(backend.weight_updates[-1][1]) == set(shapes)  # strict names
+        finally:
+            worker.stop()
+            transfer.destroy()
+
+
+def test_data_running_out_is_one_clear_error(tokenizer: Any, tmp_path: Path) -> None:
+    """One pass over 8 prompts (4 steps of 2 groups): TRL's dataset asks for more and the
+    worker's health check names the cause instead of letting the trainer wait forever."""
+    args = _args(tmp_path)
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    worker = _worker(tokenizer, url, args, dataset=_dataset(8), passes=1)
+    trainer = FakeTrainer(worker, args, tokenizer)
+    trainer.begin()
+    try:
+        for _ in range(3):
+            trainer.step()
+        with pytest.raises(WorkerFailedError, match="the data ran out before train step 4"):
+            trainer.step()  # its prefetch asks for step 4
+    finally:
+        worker.stop()
+
+
+def test_epochs_counted_in_the_log_stop_training(tokenizer: Any, tmp_path: Path) -> None:
+    """epochs=1 over 8 prompts (2 groups a step): training stops at the 4th optimizer step,
+    counted from the log (so a resumed run would stop at the same point)."""
+    args = _args(tmp_path)
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    worker = _worker(tokenizer, url, args, dataset=_dataset(8), epochs=1)
+    trainer = FakeTrainer(worker, args, tokenizer)
+    trainer.begin()
+    try:
+        stopped_at = None
+        for step in range(1, 6):
+            trainer.step()
+            if trainer.control.should_training_stop:
+                stopped_at = step
+                break
+        assert stopped_at == 4 and trainer.control.should_save
+        assert worker.trained_groups() == 8
+        assert max(worker.callback.step_ms) < 1000
+    finally:
+        worker.stop()
