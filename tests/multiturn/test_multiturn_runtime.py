@@ -1,0 +1,143 @@
+"""Multi-turn rollouts on the runtime: turns recorded, loss mask and versions, resume."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import torch
+from mt_task import RUN, TOKENIZER, Ledger, operands, runtime, start
+
+from rolloutlog.controller.domain.events import CODEC
+from rolloutlog.controller.domain.trajectory import (
+    TURN_EVENT_TYPES,
+    TrajectoryCompleted,
+    fold_trajectories,
+)
+from rolloutlog.eventstore import EventStore, decode_arrays
+
+WEIGHTS = [("w", torch.zeros(1))]
+
+
+def _turn_events(store: Any) -> list[tuple[int, Any]]:
+    return [(r.epoch, CODEC.decode(r)) for r in store.read(RUN) if r.type in TURN_EVENT_TYPES]
+
+
+async def _train(ctl: Any, ledger: Ledger, steps: int) -> list[Any]:
+    rt, _multi, _ = runtime(ctl, ledger)
+    batches = []
+    await rt.start()
+    try:
+        for step in range(ctl.state.train_step, steps):
+            batches.append(await rt.next_batch(step, timeout=60))
+            await rt.report_trained(step, step + 1)
+            await rt.publish_weights(WEIGHTS, step + 1)
+    finally:
+        await rt.close()
+    return batches
+
+
+def test_a_trajectory_records_every_turn_and_trains_with_its_mask(
+    db_url: str, tmp_path: Path
+) -> None:
+    store = EventStore.open(db_url)
+    ctl = start(store)
+    ledger = Ledger(tmp_path / "ledger.tsv")
+    batches = asyncio.run(_train(ctl, ledger, 2))
+    ctl.close()
+    samples = [s for b in batches for s in b.samples]
+    assert len(samples) == 8
+    for s in samples:
+        a, b = operands(s.prompt_index)
+        text = TOKENIZER.decode(s.completion_token_ids)
+        # The whole response, model and tool tokens, in context order.
+        assert text == (
+            f'calc:<tool>add {{"a":{a},"b":{b}}}</tool>{a + b}'
+            f'<tool>submit {{"answer":{a + b}}}</tool>receivedok.'
+        )
+        assert s.reward == 1.0  # the environment's get_reward
+    events = _turn_events(store)
+    kinds = [type(e).__name__ for _, e in events]
+    # The lookahead's trajectories were cut by the close: started, not completed.
+    assert kinds.count("TrajectoryStarted") >= kinds.count("TrajectoryCompleted") >= 8
+    assert "LateResultRefused" not in kinds and "TrajectoryResumed" not in kinds
+    # Each tool ran once per request, and only after its request was in the log.
+    keys = [k for k, _ in ledger.entries()]
+    requested = [e.idempotency_key for _, e in events if type(e).__name__ == "ToolCallRequested"]
+    assert len(keys) == len(set(keys)) and set(keys) <= set(requested)
+    done = {(e.group_id, e.sibling) for _, e in events if isinstance(e, TrajectoryCompleted)}
+    model = [e for _, e in events if type(e).__name__ == "ModelCallCompleted"]
+    assert sum((e.group_id, e.sibling) in done for e in model) == 3 * len(done)
+    book = fold_trajectories(events)
+    for _, ev in events:
+        if not isinstance(ev, TrajectoryCompleted):
+            continue
+        arrays = decode_arrays(store.get_payload(RUN, ev.payload_id))
+        traj = book[(ev.group_id, ev.sibling)]
+        mask = arrays["loss_mask"].tolist()
+        assert mask == traj.loss_mask()
+        text = TOKENIZER.decode(arrays["token_ids"].tolist())
+        model_text = "".join(c for c, m in zip(text, mask, strict=True) if m)
+        assert model_text.startswith("<tool>add") and model_text.endswith("ok.")
+        assert "calc:" not in model_text and "received" not in model_text  # tool/env: 0
+        versions = arrays["weight_versions"].tolist()
+        assert all((v >= 0) == bool(m) for v, m in zip(versions, mask, strict=True))
+        assert all(lp == 0.0 for lp, m in zip(arrays["logprobs"], mask, strict=True) if not m)
+        assert ev.model_tokens == sum(mask) and ev.final_reward == 1.0
+    store.close()
+
+
+def test_an_aborted_trajectory_resumes_its_turns_under_a_new_attempt(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    """The backend aborts every sibling's second model call once: the runtime re-dispatches
+    it (attempt 2), which resumes after the durable turns: no model call regenerated, no
+    tool run twice."""
+    store = EventStore.open(sqlite_url)
+    ctl = start(store)
+    ledger = Ledger(tmp_path / "ledger.tsv")
+    seen: set[tuple[int, int]] = set()
+
+    async def main() -> None:
+        rt, multi, inner = runtime(ctl, ledger)
+
+        def latency(request: Any) -> float:
+            (spec,) = request.siblings
+            ctx = TOKENIZER.decode(request.prompt_token_ids)
+            key = (request.group_id, spec.sibling)
+            if "<tool>add" in ctx and "<tool>submit" not in ctx and key not in seen:
+                seen.add(key)
+                asyncio.get_running_loop().call_soon(
+                    lambda: asyncio.ensure_future(inner.abort(request.group_id))
+                )
+                return 5.0
+            return 0.0
+
+        inner.latency = latency
+        await rt.start()
+        try:
+            batch = await rt.next_batch(0, timeout=60)
+            assert all(s.reward == 1.0 for s in batch.samples)
+        finally:
+            await rt.close()
+        assert multi.stats.trajectories_resumed >= 2
+        assert multi.stats.model_calls_reused >= multi.stats.trajectories_resumed
+
+    asyncio.run(main())
+    ctl.close()
+    events = _turn_events(store)
+    resumed = [e for _, e in events if type(e).__name__ == "TrajectoryResumed"]
+    assert resumed and all(
+        e.model_calls_reused == 1 and e.tool_results_reused == 1 for e in resumed
+    )
+    # No model call of a (sibling, turn) was generated twice.
+    calls = [
+        (e.group_id, e.sibling, e.turn)
+        for _, e in events
+        if type(e).__name__ == "ModelCallCompleted"
+    ]
+    assert len(calls) == len(set(calls))
+    keys = [k for k, _ in ledger.entries()]
+    assert len(keys) == len(set(keys))
+    store.close()
