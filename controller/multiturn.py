@@ -286,6 +286,9 @@ class TrajectoryBackend:
         budget = request.sampling.max_tokens
         session = self._session(gid)
         traj = self.book.get(key)
+        group = self.controller.state.groups[gid]
+        if traj is not None and traj.prompt != (group.data_pass, group.prompt_index):
+            traj = None  # an abandoned branch's trajectory of another prompt: start anew
         if traj is None:
             observation = self._reset(session, gid)
             obs_ids = self.tokenizer.encode(observation) if observation else []
@@ -301,6 +304,8 @@ class TrajectoryBackend:
                     group_id=gid,
                     sibling=spec.sibling,
                     attempt=spec.attempt,
+                    prompt_index=group.prompt_index,
+                    data_pass=group.data_pass,
                     prompt_tokens=len(prompt),
                     observation=observation,
                     observation_tokens=len(obs_ids),

@@ -61,15 +61,20 @@ class TurnEvent(RolloutEvent):
 
 @CODEC.register
 class TrajectoryStarted(TurnEvent):
-    """A trajectory began: its context is the prompt's ``prompt_tokens`` token ids, then
+    """A trajectory of prompt ``(data_pass, prompt_index)`` began: its context is the prompt's ``prompt_tokens`` token ids, then
     the environment's first observation (``observation_tokens`` token ids, the payload
     ``payload_id``; none when the environment's ``reset`` returned nothing)."""
 
     event_type = "TrajectoryStarted"
+    prompt_index: int
+    data_pass: int = 0  # the pass over the data (``pass`` is a keyword)
     prompt_tokens: int
     observation: str | None = None
     observation_tokens: int = 0
     payload_id: str | None = None
+
+    def audit_keys(self) -> AuditKeys:
+        return AuditKeys(group_id=self.group_id, prompt_index=self.prompt_index)
 
 
 @CODEC.register
@@ -277,6 +282,7 @@ class TrajectoryState:
     group_id: int
     sibling: int
     owner: Owner
+    prompt: tuple[int, int]  # (data_pass, prompt_index)
     prompt_tokens: int
     segments: tuple[Segment, ...] = ()
     tool_calls: tuple[ToolCallState, ...] = ()
@@ -379,7 +385,13 @@ def decide_turn(state: RunState, cmd: RecordTurn) -> list[RolloutEvent]:
         )
     owner = (state.epoch, ev.attempt)
     if isinstance(ev, TrajectoryStarted):
-        if traj is not None:
+        group = state.groups[ev.group_id]
+        if (ev.data_pass, ev.prompt_index) != (group.data_pass, group.prompt_index):
+            raise IllegalTransitionError(
+                f"{who}: trajectory of prompt {ev.prompt_index} (pass {ev.data_pass}), but the "
+                f"group holds prompt {group.prompt_index} (pass {group.data_pass})"
+            )
+        if traj is not None and traj.prompt == (ev.data_pass, ev.prompt_index):
             raise IllegalTransitionError(f"{who}: the trajectory has started already")
         if ev.prompt_tokens < 1 or ev.observation_tokens < 0:
             raise IllegalTransitionError(f"{who}: a trajectory starts from a non-empty prompt")
@@ -511,6 +523,7 @@ def evolve_trajectory(
             group_id=event.group_id,
             sibling=event.sibling,
             owner=(epoch, event.attempt),
+            prompt=(event.data_pass, event.prompt_index),
             prompt_tokens=event.prompt_tokens,
             segments=(
                 (Segment("start", -1, event.observation_tokens, event.payload_id),)
