@@ -61,9 +61,15 @@ class TurnEvent(RolloutEvent):
 
 @CODEC.register
 class TrajectoryStarted(TurnEvent):
-    """A trajectory of prompt ``(data_pass, prompt_index)`` began: its context is the prompt's ``prompt_tokens`` token ids, then
-    the environment's first observation (``observation_tokens`` token ids, the payload
-    ``payload_id``; none when the environment's ``reset`` returned nothing)."""
+    """A trajectory of prompt ``(data_pass, prompt_index)`` began: its context is the
+    prompt's ``prompt_tokens`` token ids, then the environment's first observation
+    (``observation_tokens`` token ids, the payload ``payload_id``; none when the
+    environment's ``reset`` returned nothing).
+
+    A group id names the same prompt in every branch of the log that admitted it from
+    the same state; where an abandoned branch used the id for another prompt, a new
+    start supersedes that branch's trajectory of the id.
+    """
 
     event_type = "TrajectoryStarted"
     prompt_index: int

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from mt_task import RUN, ROLLOUT, STORE, Ledger, Prompts, runtime
+from mt_task import ROLLOUT, RUN, STORE, Ledger, Prompts, runtime
 
 from rolloutlog.controller.domain.events import CODEC
 from rolloutlog.controller.domain.invariants import check_invariants
