@@ -428,6 +428,11 @@ def decide_turn(state: RunState, cmd: RecordTurn) -> list[RolloutEvent]:
         )
     if isinstance(ev, ModelCallCompleted):
         _check_model_call(traj, ev, who)
+        if ev.weight_version > state.weight_version:
+            raise IllegalTransitionError(
+                f"{who}: model call by weight version {ev.weight_version}, but the trainer is "
+                f"at {state.weight_version}"
+            )
     elif isinstance(ev, ToolCallRequested):
         _check_tool_request(traj, ev, who)
     elif isinstance(ev, ToolCallCompleted | ToolCallFailed):

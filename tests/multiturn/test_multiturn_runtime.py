@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from mt_task import RUN, TOKENIZER, Ledger, operands, runtime, start
 
@@ -24,8 +25,8 @@ def _turn_events(store: Any) -> list[tuple[int, Any]]:
     return [(r.epoch, CODEC.decode(r)) for r in store.read(RUN) if r.type in TURN_EVENT_TYPES]
 
 
-async def _train(ctl: Any, ledger: Ledger, steps: int) -> list[Any]:
-    rt, _multi, _ = runtime(ctl, ledger)
+async def _train(ctl: Any, ledger: Ledger, steps: int, books: list[Any] | None = None) -> list[Any]:
+    rt, multi, _ = runtime(ctl, ledger)
     batches = []
     await rt.start()
     try:
@@ -35,6 +36,8 @@ async def _train(ctl: Any, ledger: Ledger, steps: int) -> list[Any]:
             await rt.publish_weights(WEIGHTS, step + 1)
     finally:
         await rt.close()
+    if books is not None:
+        books.append(multi.book)
     return batches
 
 
@@ -44,7 +47,8 @@ def test_a_trajectory_records_every_turn_and_trains_with_its_mask(
     store = EventStore.open(db_url)
     ctl = start(store)
     ledger = Ledger(tmp_path / "ledger.tsv")
-    batches = asyncio.run(_train(ctl, ledger, 2))
+    books: list[Any] = []
+    batches = asyncio.run(_train(ctl, ledger, 2, books))
     ctl.close()
     samples = [s for b in batches for s in b.samples]
     assert len(samples) == 8
@@ -70,6 +74,7 @@ def test_a_trajectory_records_every_turn_and_trains_with_its_mask(
     model = [e for _, e in events if type(e).__name__ == "ModelCallCompleted"]
     assert sum((e.group_id, e.sibling) in done for e in model) == 3 * len(done)
     book = fold_trajectories(events)
+    assert book == books[0]  # the log read back (this dialect) folds to the live book
     for _, ev in events:
         if not isinstance(ev, TrajectoryCompleted):
             continue
@@ -138,6 +143,122 @@ def test_an_aborted_trajectory_resumes_its_turns_under_a_new_attempt(
         if type(e).__name__ == "ModelCallCompleted"
     ]
     assert len(calls) == len(set(calls))
+    keys = [k for k, _ in ledger.entries()]
+    assert len(keys) == len(set(keys))
+    store.close()
+
+
+def test_a_non_idempotent_tool_interrupted_mid_call_is_not_run_twice(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    """The process dies while a tool with side effects and no status check runs: the
+    takeover records the call as failed (``not_rerun``) instead of running it again."""
+    from rolloutlog.controller.environments import Tool
+    from rolloutlog.controller.rollout_controller import RolloutController
+
+    runs: list[str] = []
+
+    class Crash(BaseException):
+        """Stands for the process dying inside the tool."""
+
+    def add(a: int, b: int) -> str:
+        runs.append(f"{a}+{b}")
+        if len(runs) == 1:
+            raise Crash  # the side effect happened; its result never reached the log
+        return str(a + b)
+
+    store = EventStore.open(sqlite_url)
+    ctl = start(store)
+
+    async def first() -> None:
+        rt, multi, _ = runtime(ctl, Ledger(tmp_path / "unused"))
+        multi.tools = (Tool("add", add),)
+        await rt.start()
+        try:
+            with pytest.raises(Exception, match="pump"):
+                await rt.next_batch(0, timeout=60)
+        finally:
+            await rt.close()
+
+    asyncio.run(first())
+    ctl.close()
+    ctl = RolloutController.open(store, RUN)
+    stats: dict[str, Any] = {}
+
+    async def second() -> None:
+        rt, multi, _ = runtime(ctl, Ledger(tmp_path / "unused"))
+        multi.tools = (Tool("add", add),)
+        await rt.start()
+        try:
+            batch = await rt.next_batch(0, timeout=60)
+            stats["rewards"] = sorted(s.reward for s in batch.samples)
+        finally:
+            await rt.close()
+        stats["not_rerun"] = multi.stats.tool_calls_not_rerun
+
+    asyncio.run(second())
+    ctl.close()
+    events = [e for _, e in _turn_events(store)]
+    failed = [e for e in events if type(e).__name__ == "ToolCallFailed"]
+    assert [f.outcome for f in failed] == ["not_rerun"] and stats["not_rerun"] == 1
+    first_key = failed[0].idempotency_key
+    assert "not run a second time" in failed[0].reason
+    # The interrupted call ran once; every other call ran once too.
+    requested = [
+        e.idempotency_key
+        for e in events
+        if type(e).__name__ == "ToolCallRequested" and e.tool == "add"
+    ]
+    assert len(runs) == len(requested) == len(set(requested)) and first_key in requested
+    # The trajectory went on with the failure fed back: it could not submit the sum.
+    assert stats["rewards"][0] == 0.0 and stats["rewards"][-1] == 1.0
+    store.close()
+
+
+def test_a_late_tool_result_is_refused_and_recorded(sqlite_url: str, tmp_path: Path) -> None:
+    """A tool result arriving after its attempt was superseded is refused (recorded as
+    ``LateResultRefused``); the new attempt resolves the call by its status check."""
+    from rolloutlog.controller.domain import commands
+    from rolloutlog.controller.environments import Tool
+
+    ledger = Ledger(tmp_path / "ledger.tsv")
+    store = EventStore.open(sqlite_url)
+    ctl = start(store)
+    aborted: list[tuple[int, int]] = []
+
+    async def slow_add(a: int, b: int, idempotency_key: str) -> str:
+        result = ledger.add(a, b, idempotency_key)
+        if not aborted:
+            gid, sib = (
+                int(idempotency_key.split("/g")[1].split("/")[0]),
+                int(idempotency_key.split("/s")[1].split("/")[0]),
+            )
+            attempt = ctl.state.groups[gid].sibling(sib).attempt
+            ctl.execute(commands.AbortSibling(gid, sib, attempt, "superseded for the test"))
+            aborted.append((gid, sib))
+        return result
+
+    async def main() -> Any:
+        rt, multi, _ = runtime(ctl, ledger)
+        multi.tools = (Tool("add", slow_add, status=ledger.status),)
+        await rt.start()
+        try:
+            batch = await rt.next_batch(0, timeout=60)
+            assert all(s.reward == 1.0 for s in batch.samples)
+        finally:
+            await rt.close()
+        return multi.stats
+
+    stats = asyncio.run(main())
+    ctl.close()
+    events = [e for _, e in _turn_events(store)]
+    refused = [e for e in events if type(e).__name__ == "LateResultRefused"]
+    assert len(refused) == 1 and refused[0].kind == "tool_call"
+    assert (refused[0].group_id, refused[0].sibling) == aborted[0]
+    assert refused[0].current_attempt == refused[0].attempt  # aborted: none newer yet
+    assert stats.late_results_refused == 1 and stats.tool_calls_status_checked == 1
+    checked = [e for e in events if type(e).__name__ == "ToolCallCompleted" and e.source != "call"]
+    assert len(checked) == 1
     keys = [k for k, _ in ledger.entries()]
     assert len(keys) == len(set(keys))
     store.close()
