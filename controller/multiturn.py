@@ -91,6 +91,13 @@ class MultiTurnConfig(BaseModel):
 
     max_turns: int = Field(8, ge=1, description="Most model calls per trajectory.")
     max_tokens_per_turn: int = Field(16, ge=1, description="Most tokens one model call generates.")
+    max_context_tokens: int | None = Field(
+        None,
+        ge=2,
+        description="Longest context (prompt and every turn) a model call may read plus the "
+        "tokens it generates: the engine's max_model_len. A trajectory that reaches it ends "
+        "(finish 'context_full'); None: only the response budget (max_tokens) bounds it.",
+    )
 
 
 @dataclass
@@ -329,6 +336,9 @@ class TrajectoryBackend:
             if traj.turns >= self.config.max_turns:
                 finish = "max_turns"
                 break
+            limit = self.config.max_context_tokens
+            if limit is not None:
+                left = min(left, limit - traj.context_tokens)
             if left < 1:
                 finish = "context_full"
                 break
@@ -671,9 +681,14 @@ class TrajectoryBackend:
             group_id=request.group_id,
             sibling=spec.sibling,
             attempt=spec.attempt,
-            # The sibling's version: the newest weights it holds tokens of, at least the
-            # dispatch's (the per-token versions are in TrajectoryCompleted's payload).
-            weight_version=max([dispatched, *versions]),
+            # The sibling's version: the newest weights it holds tokens of, kept within the
+            # dispatch's and the trainer's (a restore may have rolled the trainer back
+            # below turns it reuses); the exact per-token versions are in
+            # TrajectoryCompleted's payload.
+            weight_version=min(
+                max([dispatched, *versions]),
+                max(dispatched, self.controller.state.weight_version),
+            ),
             token_ids=ids,
             logprobs=tuple(float(x) for x in arrays["logprobs"]),
             finish_reason="length" if len(ids) >= request.sampling.max_tokens else "stop",
