@@ -33,6 +33,8 @@ from rolloutlog.controller.domain.trajectory import (
     TrajectoryStarted,
     fold_trajectories,
 )
+from rolloutlog.controller.prompt_ledger import build_ledger
+from rolloutlog.controller.replay_tool import check_history, verify_decisions
 from rolloutlog.controller.rollout_controller import RolloutController, replay
 from rolloutlog.eventstore import EventStore, decode_arrays
 
@@ -191,9 +193,13 @@ def test_sigkill_mid_conversation_then_restore_resumes_at_the_last_durable_turn(
             assert arrays["weight_versions"].tolist() == traj.token_versions()
             assert len(arrays["token_ids"]) == len(mask) == len(arrays["logprobs"])
             assert ev.model_tokens == sum(mask)
-        # The restored run's history is sound.
+        # The restored run's history is sound: invariants after every decision, every
+        # re-decidable decision re-decided, no prompt trained twice.
         state = replay(store, RUN).state
         check_invariants(state)
+        assert check_history(store, RUN).violation is None
+        assert verify_decisions(store, RUN).mismatch is None
+        assert build_ledger(store, RUN).trained_twice == []
         assert state.train_step == 4
         assert killed_epoch_rows is not None and store.last_seq(RUN) > killed_epoch_rows
     finally:
