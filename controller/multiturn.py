@@ -631,7 +631,7 @@ class TrajectoryBackend:
                 sibling=spec.sibling,
                 attempt=spec.attempt,
                 turns=traj.turns,
-                final_reward=0.0 if reward is None else reward,
+                final_reward=reward,
                 model_tokens=sum(arrays["loss_mask"]),
                 observation_tokens=len(arrays["loss_mask"]) - sum(arrays["loss_mask"]),
                 payload_id=pid,

@@ -185,7 +185,9 @@ class TrajectoryCompleted(TurnEvent):
 
     event_type = "TrajectoryCompleted"
     turns: int
-    final_reward: float
+    #: The environment's reward (``get_reward``, else its last step's); None when it gives
+    #: none: the run's reward function scores the response (``SiblingCompleted.reward``).
+    final_reward: float | None
     model_tokens: int
     observation_tokens: int
     payload_id: str

@@ -173,3 +173,44 @@ def test_an_environment_that_steps_ends_the_trajectory_when_done(
         mask = decode_arrays(store.get_payload(RUN, ev.payload_id))["loss_mask"].tolist()
         assert ev.model_tokens == sum(mask) == 2 * ev.turns  # "gN" per turn, 1 token each
     store.close()
+
+
+def test_without_an_environment_reward_the_runs_reward_scores_the_response(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    from mt_task import Ledger, script
+
+    class Scored(Prompts):
+        def reward(self, index: int, completion_token_ids: Any) -> float:
+            return float(len(completion_token_ids))
+
+    store = EventStore.open(sqlite_url)
+    ctl = start(store)
+    inner = DeterministicBackend(vocab_size=VOCAB, max_model_len=512, script=script)
+    multi = TrajectoryBackend(
+        inner,
+        TOKENIZER,
+        tools=[Ledger(tmp_path / "ledger.tsv").tool()],  # plain tools, no environment
+        config=MultiTurnConfig(max_turns=2, max_tokens_per_turn=40),
+    )
+    multi.attach(ctl)
+    rt = RolloutRuntime(
+        ctl, multi, MultiTurnPrompts(Scored(), multi), GenerationConfig(max_tokens=120)
+    )
+
+    async def main() -> Any:
+        await rt.start()
+        try:
+            return await rt.next_batch(0, timeout=60)
+        finally:
+            await rt.close()
+
+    batch = asyncio.run(main())
+    ctl.close()
+    for s in batch.samples:
+        assert s.reward == float(len(s.completion_token_ids)) > 0
+        # Two turns: add, then submit (an unknown tool here: its error is fed back).
+        assert "error: unknown tool 'submit'" in TOKENIZER.decode(s.completion_token_ids)
+    done = [CODEC.decode(r) for r in store.read(RUN) if r.type == "TrajectoryCompleted"]
+    assert done and all(e.final_reward is None and e.finish == "max_turns" for e in done)
+    store.close()
