@@ -152,10 +152,16 @@ class TrajectoryBackend:
         self.stats = MultiTurnStats()
         self.book: TrajectoryBook = {}
         self._controller: RolloutController | None = None
-        #: Final rewards by (prompt token ids, response token ids), for :class:`MultiTurnPrompts`.
-        self._rewards: dict[tuple[tuple[int, ...], tuple[int, ...]], float] = {}
-        #: Token arrays of payloads this process wrote or read (payload id -> arrays).
+        #: Final rewards of the results handed to the runtime, by (prompt token ids, response
+        #: token ids), each popped when :class:`MultiTurnPrompts` scores that result; and
+        #: those of results still being assembled, by (group, sibling, attempt).
+        self._rewards: dict[tuple[tuple[int, ...], tuple[int, ...]], list[float]] = {}
+        self._pending: dict[tuple[int, int, int], float] = {}
+        #: Token arrays of payloads this process wrote or read (payload id -> arrays), and
+        #: the payload ids each trajectory holds there (dropped with the trajectory).
         self._arrays: dict[str, dict[str, list[Any]]] = {}
+        self._held: dict[tuple[int, int], list[str]] = {}
+        self._generates = 0
 
     # ------------------------------------------------------------ wiring
     def attach(self, controller: RolloutController) -> None:
@@ -201,15 +207,37 @@ class TrajectoryBackend:
 
     async def generate(self, request: GroupRequest) -> list[SiblingResult]:
         """Run every requested sibling's trajectory; one result per sibling, in order."""
+        self._generates += 1
+        if self._generates % 64 == 0:
+            self._forget_gone()
         dispatched = self.inner.weight_version
         runs = [self._run(request, spec, dispatched) for spec in request.siblings]
         outcomes = await asyncio.gather(*runs, return_exceptions=True)
+        rewards = [
+            self._pending.pop((request.group_id, spec.sibling, spec.attempt), None)
+            for spec in request.siblings
+        ]
         for out in outcomes:
             if isinstance(out, _Late):
                 raise BackendAbortedError(f"group {request.group_id}: {out}")
             if isinstance(out, BaseException):
                 raise out
-        return [out for out in outcomes if isinstance(out, SiblingResult)]
+        results = [out for out in outcomes if isinstance(out, SiblingResult)]
+        for res, reward in zip(results, rewards, strict=True):
+            if reward is not None:  # the runtime scores each result once: popped then
+                key = (request.prompt_token_ids, res.token_ids)
+                self._rewards.setdefault(key, []).append(reward)
+        return results
+
+    def _forget_gone(self) -> None:
+        """Drop the trajectories (and their cached token arrays) of groups that left the
+        run state (trained, evicted, dropped): no attempt can resume them any more. A
+        restore reads the book again from the log (:meth:`attach`)."""
+        groups = self.controller.state.groups
+        for key in [k for k in self.book if k[0] not in groups]:
+            del self.book[key]
+            for pid in self._held.pop(key, ()):
+                self._arrays.pop(pid, None)
 
     # ------------------------------------------------------------ one trajectory
     def _record(self, event: TurnEvent, *puts: PayloadPut) -> TrajectoryState:
@@ -226,6 +254,7 @@ class TrajectoryBackend:
             self._arrays[put.payload_id] = {
                 k: v.tolist() for k, v in decode_arrays(put.data).items()
             }
+            self._held.setdefault(key, []).append(put.payload_id)
         out = evolve_trajectory(self.book, event, ctl.epoch)
         assert out is not None
         return out
@@ -257,19 +286,21 @@ class TrajectoryBackend:
     def _payload_id(self, spec: SiblingSpec, group_id: int, what: str) -> str:
         return f"e{self.controller.epoch}-g{group_id}-s{spec.sibling}-a{spec.attempt}-{what}"
 
-    def _tokens(self, payload_id: str) -> dict[str, list[Any]]:
+    def _tokens(self, payload_id: str, key: tuple[int, int]) -> dict[str, list[Any]]:
         arrays = self._arrays.get(payload_id)
         if arrays is None:
             data = self.controller.store.get_payload(self.controller.run_id, payload_id)
             arrays = {k: v.tolist() for k, v in decode_arrays(data).items()}
             self._arrays[payload_id] = arrays
+            self._held.setdefault(key, []).append(payload_id)
         return arrays
 
     def _context(self, prompt: tuple[int, ...], traj: TrajectoryState) -> list[int]:
         ids = list(prompt)
         for seg in traj.segments:
             if seg.payload_id is not None and seg.tokens:
-                ids.extend(int(t) for t in self._tokens(seg.payload_id)["token_ids"])
+                key = (traj.group_id, traj.sibling)
+                ids.extend(int(t) for t in self._tokens(seg.payload_id, key)["token_ids"])
         return ids
 
     def _prompt_index(self, group_id: int) -> int:
@@ -482,7 +513,8 @@ class TrajectoryBackend:
     def _output_text(self, traj: TrajectoryState) -> str:
         """The newest model output as text (decoded, never re-encoded)."""
         seg = next(s for s in reversed(traj.segments) if s.kind == "model")
-        return self.tokenizer.decode(self._tokens(seg.payload_id or "")["token_ids"])
+        key = (traj.group_id, traj.sibling)
+        return self.tokenizer.decode(self._tokens(seg.payload_id or "", key)["token_ids"])
 
     async def _resolve_open(
         self,
@@ -650,7 +682,7 @@ class TrajectoryBackend:
         for seg in traj.segments:
             if not seg.tokens or seg.payload_id is None:
                 continue
-            arrays = self._tokens(seg.payload_id)
+            arrays = self._tokens(seg.payload_id, (traj.group_id, traj.sibling))
             ids.extend(int(t) for t in arrays["token_ids"])
             if seg.kind == "model":
                 logprobs.extend(float(x) for x in arrays["logprobs"])
@@ -676,7 +708,7 @@ class TrajectoryBackend:
         ids = tuple(arrays["token_ids"])
         final = traj.final_reward if reward is None else reward
         if final is not None:
-            self._rewards[(request.prompt_token_ids, ids)] = final
+            self._pending[(request.group_id, spec.sibling, spec.attempt)] = final
         return SiblingResult(
             group_id=request.group_id,
             sibling=spec.sibling,
@@ -695,9 +727,16 @@ class TrajectoryBackend:
         )
 
     def trajectory_reward(self, prompt: Sequence[int], response: Sequence[int]) -> float | None:
-        """The final reward recorded for this prompt and response (None: not a trajectory
-        this backend finished)."""
-        return self._rewards.get((tuple(prompt), tuple(response)))
+        """The final reward recorded for this prompt and response, handed out once per
+        result (None: not a trajectory this backend finished, or one without a reward)."""
+        key = (tuple(prompt), tuple(response))
+        stack = self._rewards.get(key)
+        if not stack:
+            return None
+        reward = stack.pop()
+        if not stack:
+            del self._rewards[key]
+        return reward
 
 
 class MultiTurnPrompts:
