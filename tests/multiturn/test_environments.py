@@ -214,3 +214,24 @@ def test_without_an_environment_reward_the_runs_reward_scores_the_response(
     done = [CODEC.decode(r) for r in store.read(RUN) if r.type == "TrajectoryCompleted"]
     assert done and all(e.final_reward is None and e.finish == "max_turns" for e in done)
     store.close()
+
+
+def test_the_deterministic_backend_scripts_outputs_within_the_contract() -> None:
+    from rolloutlog.controller.backends.base import SamplingConfig, validate_results
+
+    backend = DeterministicBackend(
+        vocab_size=VOCAB, script=lambda req, spec: None if spec.sibling else [5, 6, 7, 8, 9]
+    )
+
+    async def main() -> Any:
+        await backend.start()
+        request = GroupRequest(
+            1, (1, 2), (SiblingSpec(0, 1), SiblingSpec(1, 1)), SamplingConfig(max_tokens=3)
+        )
+        return request, await backend.generate(request)
+
+    request, (scripted, drawn) = asyncio.run(main())
+    assert scripted.token_ids == (5, 6, 7) and scripted.finish_reason == "length"
+    assert len(scripted.logprobs) == 3 and all(lp < 0 for lp in scripted.logprobs)
+    assert drawn.token_ids != (5, 6, 7)  # None: the seeded draw
+    validate_results(request, [scripted, drawn], VOCAB)
