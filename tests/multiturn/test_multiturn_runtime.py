@@ -310,3 +310,48 @@ def test_a_late_model_output_is_refused_and_recorded(sqlite_url: str, tmp_path: 
     ]
     assert len(calls) == len(set(calls)) and (hit[0][0], hit[0][1], 1) in calls
     store.close()
+
+
+def test_a_generation_failure_mid_conversation_reruns_only_the_current_turn(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    """An engine error on a sibling's second model call fails that attempt (retryable);
+    the next attempt resumes after the durable turns and generates only that turn."""
+    from rolloutlog.controller.backends.base import BackendError
+
+    store = EventStore.open(sqlite_url)
+    ctl = start(store)
+    failed: set[tuple[int, int]] = set()
+
+    def fail(request: Any, spec: Any) -> object:
+        ctx = TOKENIZER.decode(request.prompt_token_ids)
+        key = (request.group_id, spec.sibling)
+        if "<tool>add" in ctx and "<tool>submit" not in ctx and key not in failed:
+            failed.add(key)
+            return BackendError("engine lost mid-conversation", retryable=True)
+        return None
+
+    async def main() -> Any:
+        rt, multi, inner = runtime(ctl, Ledger(tmp_path / "ledger.tsv"))
+        inner.fail = fail
+        await rt.start()
+        try:
+            batch = await rt.next_batch(0, timeout=60)
+            assert all(s.reward == 1.0 for s in batch.samples)
+        finally:
+            await rt.close()
+        return multi.stats
+
+    stats = asyncio.run(main())
+    ctl.close()
+    rows = list(store.read(RUN))
+    assert sum(r.type == "SiblingFailed" for r in rows) >= 4  # the batch's 4 siblings at least
+    events = [e for _, e in _turn_events(store)]
+    resumed = [e for e in events if type(e).__name__ == "TrajectoryResumed"]
+    assert len(resumed) >= 4 and all(e.model_calls_reused == 1 for e in resumed)
+    calls = [
+        (e.group_id, e.sibling, e.turn) for e in events if type(e).__name__ == "ModelCallCompleted"
+    ]
+    assert len(calls) == len(set(calls))  # turn 0 never generated again
+    assert stats.model_calls_reused >= 4 and stats.tool_results_reused >= 4
+    store.close()
