@@ -353,6 +353,8 @@ class TrajectoryBackend:
             )
         elif traj.completed:
             # Every turn is durable and the trajectory finished: nothing is run again.
+            traj = self._record(self._resumed(spec, gid, traj))
+            self.stats.trajectories_resumed += 1
             self.stats.model_calls_reused += traj.turns
             return self._result_of(request, spec, traj, dispatched, None)
         else:
@@ -377,24 +379,27 @@ class TrajectoryBackend:
         traj = self.book[key]
         return self._complete(request, spec, traj, session, dispatched, finish)
 
+    @staticmethod
+    def _resumed(spec: SiblingSpec, gid: int, traj: TrajectoryState) -> TrajectoryResumed:
+        """The event of attempt ``spec`` taking ``traj`` over."""
+        return TrajectoryResumed(
+            group_id=gid,
+            sibling=spec.sibling,
+            attempt=spec.attempt,
+            from_epoch=traj.owner[0],
+            from_attempt=traj.owner[1],
+            model_calls_reused=traj.turns,
+            tool_results_reused=sum(1 for c in traj.tool_calls if c.status != "requested"),
+            tool_calls_open=len(traj.open_tool_calls()),
+        )
+
     def _resume(
         self, spec: SiblingSpec, gid: int, traj: TrajectoryState, session: EnvironmentSession
     ) -> TrajectoryState:
         """Take the trajectory over under this attempt; rebuild the environment's memory
         by replaying its recorded idempotent tool calls (safe by definition)."""
         reused = sum(1 for c in traj.tool_calls if c.status != "requested")
-        traj = self._record(
-            TrajectoryResumed(
-                group_id=gid,
-                sibling=spec.sibling,
-                attempt=spec.attempt,
-                from_epoch=traj.owner[0],
-                from_attempt=traj.owner[1],
-                model_calls_reused=traj.turns,
-                tool_results_reused=reused,
-                tool_calls_open=len(traj.open_tool_calls()),
-            )
-        )
+        traj = self._record(self._resumed(spec, gid, traj))
         self.stats.trajectories_resumed += 1
         self.stats.model_calls_reused += traj.turns
         self.stats.tool_results_reused += reused

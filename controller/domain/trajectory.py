@@ -200,7 +200,8 @@ class TrajectoryCompleted(TurnEvent):
 class TrajectoryResumed(TurnEvent):
     """Attempt ``attempt`` took over the trajectory from ``(from_epoch, from_attempt)``.
 
-    It reuses every durable turn: ``model_calls_reused`` model calls (the turns
+    A completed trajectory is taken over whole (its result handed in again, nothing
+    run). Otherwise it reuses every durable turn: ``model_calls_reused`` model calls (the turns
     salvaged: never regenerated) and ``tool_results_reused`` recorded tool results (fed
     back, never run again). ``tool_calls_open`` calls were requested without a result;
     the new attempt resolves each (status check, an idempotent re-run, or a recorded
@@ -408,7 +409,7 @@ def decide_turn(state: RunState, cmd: RecordTurn) -> list[RolloutEvent]:
         return [ev]
     if traj is None:
         raise IllegalTransitionError(f"{who}: {ev.event_type} before TrajectoryStarted")
-    if traj.completed:
+    if traj.completed and not isinstance(ev, TrajectoryResumed):
         raise IllegalTransitionError(f"{who}: the trajectory is completed; nothing follows")
     if isinstance(ev, TrajectoryResumed):
         if traj.owner >= owner:

@@ -260,6 +260,20 @@ def test_a_turn_out_of_order_is_refused() -> None:
     _complete(run)
     with pytest.raises(IllegalTransitionError, match="nothing follows"):
         _model(run, 1)
+    # A new attempt may take a completed trajectory over whole, and add nothing to it.
+    old = run.attempt
+    run.exec(commands.AbortSibling(0, 0, old, "restore"))
+    new = run.dispatch()
+    traj = run.book[(0, 0)]
+    run.record(
+        TrajectoryResumed(
+            group_id=0, sibling=0, attempt=new, from_epoch=traj.owner[0], from_attempt=old,
+            model_calls_reused=traj.turns, tool_results_reused=1, tool_calls_open=0,
+        )
+    )  # fmt: skip
+    assert run.book[(0, 0)].owner == (run.state.epoch, new) and run.book[(0, 0)].completed
+    with pytest.raises(IllegalTransitionError, match="nothing follows"):
+        _model(run, 1)
 
 
 def test_a_late_result_of_a_superseded_attempt_is_refused_and_recorded() -> None:
