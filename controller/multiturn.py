@@ -79,7 +79,7 @@ if TYPE_CHECKING:
     import torch
 
     from .rollout_controller import RolloutController
-    from .rollout_runtime import PromptSource
+    from .rollout_runtime import Batch, PromptSource
 
 log = logging.getLogger(__name__)
 
@@ -730,6 +730,31 @@ class TrajectoryBackend:
             logprobs=tuple(float(x) for x in arrays["logprobs"]),
             finish_reason="length" if len(ids) >= request.sampling.max_tokens else "stop",
         )
+
+    def sample_masks(self, batch: Batch) -> list[tuple[list[int], list[int]]]:
+        """For each sample of ``batch`` (in order): its loss mask (1 model token, 0 tool or
+        environment token) and the weight version of each token (-1: not a model token),
+        from its trajectory. The runtime's samples carry the token ids and logprobs; a
+        trainer multiplies its loss by this mask. Call it before ``report_trained`` (a
+        trained group's trajectories are forgotten)."""
+        out = []
+        for sample in batch.samples:
+            traj = self.book.get((sample.group_id, sample.sibling))
+            if traj is None or not traj.completed:
+                raise BackendError(
+                    f"group {sample.group_id} sibling {sample.sibling} has no completed "
+                    "trajectory in this backend's book",
+                    retryable=False,
+                )
+            mask, versions = traj.loss_mask(), traj.token_versions()
+            if len(mask) != len(sample.completion_token_ids):
+                raise BackendError(
+                    f"group {sample.group_id} sibling {sample.sibling}: the trajectory holds "
+                    f"{len(mask)} response tokens, the sample {len(sample.completion_token_ids)}",
+                    retryable=False,
+                )
+            out.append((mask, versions))
+        return out
 
     def trajectory_reward(self, prompt: Sequence[int], response: Sequence[int]) -> float | None:
         """The final reward recorded for this prompt and response, handed out once per

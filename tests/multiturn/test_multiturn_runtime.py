@@ -31,7 +31,10 @@ async def _train(ctl: Any, ledger: Ledger, steps: int, books: list[Any] | None =
     await rt.start()
     try:
         for step in range(ctl.state.train_step, steps):
-            batches.append(await rt.next_batch(step, timeout=60))
+            batch = await rt.next_batch(step, timeout=60)
+            batches.append(batch)
+            if books is not None:
+                books.append(multi.sample_masks(batch))  # before report_trained
             await rt.report_trained(step, step + 1)
             await rt.publish_weights(WEIGHTS, step + 1)
     finally:
@@ -52,6 +55,15 @@ def test_a_trajectory_records_every_turn_and_trains_with_its_mask(
     ctl.close()
     samples = [s for b in batches for s in b.samples]
     assert len(samples) == 8
+    masks = [m for step_masks in books[:-1] for m in step_masks]
+    assert len(masks) == len(samples)
+    for s, (mask, versions) in zip(samples, masks, strict=True):
+        text = TOKENIZER.decode(s.completion_token_ids)
+        model = "".join(c for c, m in zip(text, mask, strict=True) if m)
+        assert model == text.replace("calc:", "").replace(
+            f"</tool>{sum(operands(s.prompt_index))}", "</tool>"
+        ).replace("received", "")
+        assert all((v >= 0) == bool(m) for v, m in zip(versions, mask, strict=True))
     for s in samples:
         a, b = operands(s.prompt_index)
         text = TOKENIZER.decode(s.completion_token_ids)
@@ -74,7 +86,8 @@ def test_a_trajectory_records_every_turn_and_trains_with_its_mask(
     model = [e for _, e in events if type(e).__name__ == "ModelCallCompleted"]
     assert sum((e.group_id, e.sibling) in done for e in model) == 3 * len(done)
     book = fold_trajectories(events)
-    assert book == books[0]  # the log read back (this dialect) folds to the live book
+    # The log read back (this dialect) folds to the live book (which forgets trained groups).
+    assert books[-1] and {k: book[k] for k in books[-1]} == books[-1]
     for _, ev in events:
         if not isinstance(ev, TrajectoryCompleted):
             continue
