@@ -82,6 +82,10 @@ class DeterministicBackend(BackendBase):
         weight_shapes: checkpoint names and shapes; when given, ``update_weights`` is as
             strict about names and shapes as the real backends.
         weight_version: the initial weight version.
+        script: ``script(request, spec)`` returns the token ids a sibling generates (cut
+            to ``max_tokens``), or None for the seeded draw: multi-turn tests script
+            what the model answers to each context (``request.prompt_token_ids``).
+            Logprobs stay seeded; the results are checked like any other.
     """
 
     name = "deterministic"
@@ -100,6 +104,7 @@ class DeterministicBackend(BackendBase):
         malformed: str | Callable[[GroupRequest], str | None] | None = None,
         weight_shapes: Mapping[str, Sequence[int]] | None = None,
         weight_version: int = 0,
+        script: Callable[[GroupRequest, SiblingSpec], Sequence[int] | None] | None = None,
     ) -> None:
         if vocab_size < 2:
             raise ValueError(f"vocab_size {vocab_size} must be >= 2")
@@ -115,6 +120,7 @@ class DeterministicBackend(BackendBase):
         self.fail = fail
         self.fail_retryable = fail_retryable
         self.malformed = malformed
+        self.script = script
         self._shapes = (
             None
             if weight_shapes is None
@@ -195,6 +201,12 @@ class DeterministicBackend(BackendBase):
                 _seed(self.seed, request.group_id, spec.sibling, spec.attempt, version)
             )
         max_tokens = request.sampling.max_tokens
+        scripted = None if self.script is None else self.script(request, spec)
+        if scripted is not None:
+            tokens = [int(t) for t in scripted][:max_tokens]
+            logprobs = tuple(-rng.uniform(0.01, 5.0) for _ in tokens)
+            finish = "length" if len(tokens) == max_tokens else "stop"
+            return SiblingResult.generated(request, spec, version, tuple(tokens), logprobs, finish)
         length = rng.randint(1, max_tokens)
         choices = [t for t in range(self._vocab_size) if t != self.eos_token_id]
         tokens = [rng.choice(choices) for _ in range(length)]

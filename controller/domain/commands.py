@@ -8,6 +8,7 @@ from typing import Literal
 from ..config import RolloutConfig
 from .completion import Completion
 from .events import FailureCause
+from .trajectory import RecordTurn
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,4 +170,5 @@ Command = (
     | RecordEngineJoined
     | RecordEngineLost
     | RecordEngineRefit
+    | RecordTurn
 )

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from . import admission, buffer, commands, engines, restore, siblings, training
+from . import admission, buffer, commands, engines, restore, siblings, training, trajectory
 from .errors import IllegalTransitionError, MonotonicityError, RunFailedError
 from .events import RolloutEvent
 from .state import RunState
@@ -31,6 +31,7 @@ _DECIDERS: dict[type, Callable[[RunState, Any], list[RolloutEvent]]] = {
     commands.RecordEngineJoined: engines.decide_joined,
     commands.RecordEngineLost: engines.decide_lost,
     commands.RecordEngineRefit: engines.decide_refit,
+    trajectory.RecordTurn: trajectory.decide_turn,
 }
 
 # Each concern's EVOLVERS is inferred as dict[ModelMetaclass, function] (the join of
@@ -42,6 +43,7 @@ _EVOLVERS: dict[type, Callable[[RunState, Any], None]] = {
     **training.EVOLVERS,  # type: ignore[dict-item]
     **restore.EVOLVERS,  # type: ignore[dict-item]
     **engines.EVOLVERS,  # type: ignore[dict-item]
+    **trajectory.EVOLVERS,
 }
 
 

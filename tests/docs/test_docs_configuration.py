@@ -13,6 +13,7 @@ import pytest
 from pydantic import BaseModel
 
 from rolloutlog.controller.config import RolloutConfig, StoreConfig, TelemetryConfig
+from rolloutlog.controller.multiturn import MultiTurnConfig
 from rolloutlog.controller.rollout_runtime import GenerationConfig
 from rolloutlog.controller.workloads.dataset import DatasetConfig
 from rolloutlog.controller.workloads.rewards import RewardConfig
@@ -33,6 +34,7 @@ MODELS: list[type[BaseModel]] = [
     DatasetConfig,
     RewardConfig,
     FleetRunConfig,
+    MultiTurnConfig,
 ]
 
 

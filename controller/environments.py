@@ -1,0 +1,177 @@
+"""Environments and tools for multi-turn rollouts (the edge: they run user code).
+
+Two ways to give a trajectory its tools, both accepted unchanged:
+
+- **TRL's ``environment_factory``**: a callable returning an object with
+  ``reset(**kwargs) -> str | None``; its public methods are the tools; an optional
+  ``get_reward()`` makes it the reward source. :class:`EnvironmentSession` wraps one such
+  object per trajectory. An object may also define ``step(text) -> (observation, reward,
+  done)``: then ``step`` is not a tool but the environment's answer to a model output
+  that calls no tool.
+- **plain tool functions**: :class:`Tool` (a name, the function, and how a second run
+  is avoided).
+
+Durability rule for a tool: it is **idempotent** (running it again has the same effect:
+mark it with :func:`idempotent`) or it provides a **status check by idempotency key**
+(``status(key) -> result | None``, None: the call did not run; the tool then receives
+``idempotency_key=`` as a keyword argument, so it can remember the call). A tool that is
+neither is never run a second time: after a crash between its request and its result,
+the call is recorded as failed (``not_rerun``) instead.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+
+class Tokenizer(Protocol):
+    """Text to token ids and back. Token ids are the source of truth: text enters a
+    context once, through :meth:`encode`; a model's output is only decoded (to parse its
+    tool calls), never re-encoded."""
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens added)."""
+        ...
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids``."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A tool call parsed from a model's output text."""
+
+    name: str
+    arguments: dict[str, Any]
+
+
+#: ``<tool>NAME {json arguments}</tool>``, the default text protocol.
+_TOOL_TAG = re.compile(r"<tool>\s*([A-Za-z_][A-Za-z0-9_]*)\s*(\{.*?\})?\s*</tool>", re.DOTALL)
+
+
+def parse_tool_calls(text: str) -> list[ToolCall]:
+    """The tool calls of ``text`` in the default protocol ``<tool>NAME {json}</tool>``
+    (the JSON object of arguments is optional; a malformed one is passed as
+    ``{"_raw": text}``, so the tool's error reaches the model instead of a silent skip)."""
+    calls = []
+    for match in _TOOL_TAG.finditer(text):
+        raw = match.group(2)
+        try:
+            arguments = json.loads(raw) if raw else {}
+        except json.JSONDecodeError:
+            arguments = {"_raw": raw}
+        calls.append(ToolCall(match.group(1), arguments if isinstance(arguments, dict) else {}))
+    return calls
+
+
+#: What a status check answers: the result of the call, or None when it did not run.
+StatusCheck = Callable[[str], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    """A tool a trajectory may call.
+
+    ``idempotent``: running it twice has the effect of running it once. ``status``:
+    ``status(idempotency_key)`` returns the recorded result of a call that ran, or None;
+    a tool with a status check is called with ``idempotency_key=`` as well.
+    """
+
+    name: str
+    fn: Callable[..., Any]
+    idempotent: bool = False
+    status: StatusCheck | None = None
+
+    def __call__(self, arguments: dict[str, Any], idempotency_key: str) -> Any:
+        if self.status is not None:
+            return self.fn(**arguments, idempotency_key=idempotency_key)
+        return self.fn(**arguments)
+
+
+def idempotent(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark an environment method (or function) as idempotent: safe to run again."""
+    fn.__rolloutlog_idempotent__ = True  # type: ignore[attr-defined]
+    return fn
+
+
+def tool_of(name: str, fn: Callable[..., Any], status: StatusCheck | None = None) -> Tool:
+    """A :class:`Tool` for ``fn``: idempotent if marked with :func:`idempotent`."""
+    return Tool(
+        name, fn, idempotent=bool(getattr(fn, "__rolloutlog_idempotent__", False)), status=status
+    )
+
+
+@runtime_checkable
+class StepEnvironment(Protocol):
+    """An environment that answers a model output with an observation, reward and done."""
+
+    def step(self, text: str) -> tuple[str | None, float | None, bool]:
+        """The environment's answer to the model output ``text``."""
+        ...
+
+
+_NOT_TOOLS = frozenset({"reset", "get_reward", "step", "tool_status"})
+
+
+class EnvironmentSession:
+    """One trajectory's environment: a TRL ``environment_factory`` object (or none) plus
+    plain tools.
+
+    The object's public methods are its tools (TRL's rule), except ``reset``,
+    ``get_reward``, ``step`` and ``tool_status``; ``tool_status(name, key)``, if
+    defined, is the status check of every method tool (which then receives
+    ``idempotency_key=``).
+    """
+
+    def __init__(self, env: object | None = None, tools: Sequence[Tool] = ()) -> None:
+        self.env = env
+        self.tools: dict[str, Tool] = {}
+        if env is not None:
+            status = getattr(env, "tool_status", None)
+            for name, member in inspect.getmembers(env, callable):
+                if name.startswith("_") or name in _NOT_TOOLS:
+                    continue
+                check = None if status is None else _bind_status(status, name)
+                self.tools[name] = tool_of(name, member, check)
+        for tool in tools:
+            if tool.name in self.tools:
+                raise ValueError(f"tool {tool.name!r} is defined twice")
+            self.tools[tool.name] = tool
+
+    def reset(self, **kwargs: Any) -> str | None:
+        """The environment's first observation (None without an environment)."""
+        reset = getattr(self.env, "reset", None)
+        if reset is None:
+            return None
+        out = reset(**kwargs)
+        return None if out is None else str(out)
+
+    @property
+    def steps(self) -> bool:
+        """Whether the environment answers a model output that calls no tool."""
+        return isinstance(self.env, StepEnvironment)
+
+    def step(self, text: str) -> tuple[str | None, float | None, bool]:
+        """The environment's answer to ``text`` (see :class:`StepEnvironment`)."""
+        assert isinstance(self.env, StepEnvironment)
+        observation, reward, done = self.env.step(text)
+        return (
+            None if observation is None else str(observation),
+            None if reward is None else float(reward),
+            bool(done),
+        )
+
+    def reward(self) -> float | None:
+        """``get_reward()`` of the environment, when it has one."""
+        get = getattr(self.env, "get_reward", None)
+        return None if get is None else float(get())
+
+
+def _bind_status(status: Callable[[str, str], Any], name: str) -> StatusCheck:
+    return lambda key: status(name, key)

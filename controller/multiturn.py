@@ -1,0 +1,797 @@
+"""Multi-turn rollouts on the rollout runtime: each sibling is a trajectory of turns.
+
+:class:`TrajectoryBackend` is a :class:`~rolloutlog.controller.backends.base.GenerationBackend`
+that wraps another one (deterministic, torch, vLLM): the runtime dispatches siblings to
+it as usual, and for each sibling it runs a trajectory turn by turn on the inner backend,
+recording every model call, tool call and environment step through the controller
+(``controller/domain/trajectory.py`` has the events and the rules). When the trajectory
+ends it returns one result per sibling: the whole response (model, tool and environment
+tokens; the loss mask and the per-token weight versions are in ``TrajectoryCompleted``),
+and the runtime records the sibling's completion as for any backend.
+
+Durability, turn by turn:
+
+- a tool call is durable (``ToolCallRequested``, flushed) **before** the tool runs;
+- token ids are the source of truth: the context is the prompt's ids followed by the
+  recorded token arrays; a tool or environment text is tokenised once, as it enters the
+  context, and a model output is only decoded (to parse tool calls), never re-encoded;
+- a restore (or a retry) dispatches the sibling under a new attempt: the backend
+  records ``TrajectoryResumed``, reuses every durable model call (never regenerated) and
+  tool result (fed back), and resolves tool calls left open (the tool's status check,
+  an idempotent re-run, or a recorded refusal to run a non-idempotent tool twice);
+- a model output or tool result of an attempt that is no longer the live one is refused
+  and recorded (``LateResultRefused``).
+
+The book of trajectories is the fold of every trajectory event of the run's log, all
+epochs included (a tool that ran in an abandoned branch still ran): :meth:`attach`
+reads it when the backend is put on a (restored) controller.
+
+The runtime's ``max_tokens`` bounds a whole trajectory's response (model, tool and
+environment tokens); :class:`MultiTurnConfig` bounds each model call and the turns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rolloutlog.eventstore import PayloadPut, decode_arrays, encode_arrays
+
+from .backends.base import (
+    BackendAbortedError,
+    BackendError,
+    GenerationBackend,
+    GroupRequest,
+    SamplingConfig,
+    SiblingResult,
+    SiblingSpec,
+)
+from .domain.errors import StaleAttemptError
+from .domain.events import CODEC
+from .domain.trajectory import (
+    TURN_EVENT_TYPES,
+    EnvironmentStepped,
+    LateKind,
+    LateResultRefused,
+    ModelCallCompleted,
+    RecordTurn,
+    ToolCallCompleted,
+    ToolCallFailed,
+    ToolCallRequested,
+    TrajectoryBook,
+    TrajectoryCompleted,
+    TrajectoryResumed,
+    TrajectoryStarted,
+    TrajectoryState,
+    TurnEvent,
+    evolve_trajectory,
+)
+from .environments import EnvironmentSession, Tokenizer, Tool, ToolCall, parse_tool_calls
+
+if TYPE_CHECKING:
+    import torch
+
+    from .rollout_controller import RolloutController
+    from .rollout_runtime import Batch, PromptSource
+
+log = logging.getLogger(__name__)
+
+
+class MultiTurnConfig(BaseModel):
+    """How a trajectory runs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_turns: int = Field(8, ge=1, description="Most model calls per trajectory.")
+    max_tokens_per_turn: int = Field(16, ge=1, description="Most tokens one model call generates.")
+    max_context_tokens: int | None = Field(
+        None,
+        ge=2,
+        description="Longest context (prompt and every turn) a model call may read plus the "
+        "tokens it generates: the engine's max_model_len. A trajectory that reaches it ends "
+        "(finish 'context_full'); None: only the response budget (max_tokens) bounds it.",
+    )
+
+
+@dataclass
+class MultiTurnStats:
+    """What the trajectory backend did (for tests, the demo and the report)."""
+
+    model_calls: int = 0
+    model_calls_reused: int = 0
+    tool_calls_run: int = 0
+    tool_results_reused: int = 0
+    tool_calls_status_checked: int = 0
+    tool_calls_not_rerun: int = 0
+    trajectories_resumed: int = 0
+    trajectories_completed: int = 0
+    late_results_refused: int = 0
+
+
+#: ``environment_factory``: a new environment object per trajectory (TRL's interface).
+EnvironmentFactory = Callable[[], object]
+#: Keyword arguments of an environment's ``reset`` for a prompt index (TRL passes the
+#: dataset row's columns).
+ResetKwargs = Callable[[int], dict[str, Any]]
+
+
+class _Late(Exception):
+    """The attempt lost the sibling while it ran; the result was refused and recorded."""
+
+
+class TrajectoryBackend:
+    """A generation backend running each sibling as a multi-turn trajectory (see module)."""
+
+    name = "multi-turn"
+
+    def __init__(
+        self,
+        inner: GenerationBackend,
+        tokenizer: Tokenizer,
+        *,
+        environment_factory: EnvironmentFactory | None = None,
+        tools: Sequence[Tool] = (),
+        reset_kwargs: ResetKwargs | None = None,
+        config: MultiTurnConfig | None = None,
+        parse: Callable[[str], list[ToolCall]] = parse_tool_calls,
+    ) -> None:
+        self.inner = inner
+        self.tokenizer = tokenizer
+        self.environment_factory = environment_factory
+        self.tools = tuple(tools)
+        self.reset_kwargs = reset_kwargs
+        self.config = config or MultiTurnConfig()
+        self.parse = parse
+        self.stats = MultiTurnStats()
+        self.book: TrajectoryBook = {}
+        self._controller: RolloutController | None = None
+        #: Final rewards of the results handed to the runtime, by (prompt token ids, response
+        #: token ids), each popped when :class:`MultiTurnPrompts` scores that result; and
+        #: those of results still being assembled, by (group, sibling, attempt).
+        self._rewards: dict[tuple[tuple[int, ...], tuple[int, ...]], list[float]] = {}
+        self._pending: dict[tuple[int, int, int], float] = {}
+        #: Token arrays of payloads this process wrote or read (payload id -> arrays), and
+        #: the payload ids each trajectory holds there (dropped with the trajectory).
+        self._arrays: dict[str, dict[str, list[Any]]] = {}
+        self._held: dict[tuple[int, int], list[str]] = {}
+        self._generates = 0
+
+    # ------------------------------------------------------------ wiring
+    def attach(self, controller: RolloutController) -> None:
+        """Record through ``controller``; fold every trajectory event of its run's log
+        (every epoch: what ran in an abandoned branch ran) into the book."""
+        self._controller = controller
+        self.book = {}
+        for row in controller.store.read(controller.run_id):
+            if row.type in TURN_EVENT_TYPES:
+                evolve_trajectory(self.book, CODEC.decode(row), row.epoch)  # type: ignore[arg-type]
+
+    @property
+    def controller(self) -> RolloutController:
+        if self._controller is None:
+            raise BackendError(
+                "the trajectory backend is not attached to a controller", retryable=False
+            )
+        return self._controller
+
+    # ------------------------------------------------------------ GenerationBackend
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.vocab_size
+
+    @property
+    def weight_version(self) -> int:
+        return self.inner.weight_version
+
+    async def start(self) -> None:
+        self.controller  # noqa: B018 - refuses to start unattached
+        await self.inner.start()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    async def abort(self, group_id: int) -> None:
+        await self.inner.abort(group_id)
+
+    async def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None:
+        await self.inner.update_weights(named_tensors, version)
+
+    async def generate(self, request: GroupRequest) -> list[SiblingResult]:
+        """Run every requested sibling's trajectory; one result per sibling, in order."""
+        self._generates += 1
+        if self._generates % 64 == 0:
+            self._forget_gone()
+        dispatched = self.inner.weight_version
+        runs = [self._run(request, spec, dispatched) for spec in request.siblings]
+        outcomes = await asyncio.gather(*runs, return_exceptions=True)
+        rewards = [
+            self._pending.pop((request.group_id, spec.sibling, spec.attempt), None)
+            for spec in request.siblings
+        ]
+        for out in outcomes:
+            if isinstance(out, _Late):
+                raise BackendAbortedError(f"group {request.group_id}: {out}")
+            if isinstance(out, BaseException):
+                raise out
+        results = [out for out in outcomes if isinstance(out, SiblingResult)]
+        for res, reward in zip(results, rewards, strict=True):
+            if reward is not None:  # the runtime scores each result once: popped then
+                key = (request.prompt_token_ids, res.token_ids)
+                self._rewards.setdefault(key, []).append(reward)
+        return results
+
+    def _forget_gone(self) -> None:
+        """Drop the trajectories (and their cached token arrays) of groups that left the
+        run state (trained, evicted, dropped): no attempt can resume them any more. A
+        restore reads the book again from the log (:meth:`attach`)."""
+        groups = self.controller.state.groups
+        for key in [k for k in self.book if k[0] not in groups]:
+            del self.book[key]
+            for pid in self._held.pop(key, ()):
+                self._arrays.pop(pid, None)
+
+    # ------------------------------------------------------------ one trajectory
+    def _record(self, event: TurnEvent, *puts: PayloadPut) -> TrajectoryState:
+        """Decide and append ``event`` (a late one is recorded as refused: :class:`_Late`)."""
+        ctl = self.controller
+        key = (event.group_id, event.sibling)
+        traj = self.book.get(key)
+        try:
+            ctl.execute(RecordTurn(event, traj), payload_puts=puts)
+        except StaleAttemptError as exc:
+            self._refuse(event, str(exc))
+            raise _Late(str(exc)) from exc
+        for put in puts:
+            self._arrays[put.payload_id] = {
+                k: v.tolist() for k, v in decode_arrays(put.data).items()
+            }
+            self._held.setdefault(key, []).append(put.payload_id)
+        out = evolve_trajectory(self.book, event, ctl.epoch)
+        assert out is not None
+        return out
+
+    def _refuse(self, event: TurnEvent, reason: str) -> None:
+        state = self.controller.state
+        group = state.groups.get(event.group_id)
+        current = 0 if group is None else group.sibling(event.sibling).attempt
+        kind: LateKind = (
+            "model_call"
+            if isinstance(event, ModelCallCompleted)
+            else "environment_step"
+            if isinstance(event, EnvironmentStepped)
+            else "tool_call"
+        )
+        refusal = LateResultRefused(
+            group_id=event.group_id,
+            sibling=event.sibling,
+            attempt=event.attempt,
+            turn=getattr(event, "turn", -1),
+            kind=kind,
+            current_attempt=current,
+            reason=reason[:500],
+        )
+        self.controller.execute(RecordTurn(refusal, self.book.get((event.group_id, event.sibling))))
+        evolve_trajectory(self.book, refusal, self.controller.epoch)
+        self.stats.late_results_refused += 1
+
+    def _payload_id(self, spec: SiblingSpec, group_id: int, what: str) -> str:
+        return f"e{self.controller.epoch}-g{group_id}-s{spec.sibling}-a{spec.attempt}-{what}"
+
+    def _tokens(self, payload_id: str, key: tuple[int, int]) -> dict[str, list[Any]]:
+        arrays = self._arrays.get(payload_id)
+        if arrays is None:
+            data = self.controller.store.get_payload(self.controller.run_id, payload_id)
+            arrays = {k: v.tolist() for k, v in decode_arrays(data).items()}
+            self._arrays[payload_id] = arrays
+            self._held.setdefault(key, []).append(payload_id)
+        return arrays
+
+    def _context(self, prompt: tuple[int, ...], traj: TrajectoryState) -> list[int]:
+        ids = list(prompt)
+        for seg in traj.segments:
+            if seg.payload_id is not None and seg.tokens:
+                key = (traj.group_id, traj.sibling)
+                ids.extend(int(t) for t in self._tokens(seg.payload_id, key)["token_ids"])
+        return ids
+
+    def _prompt_index(self, group_id: int) -> int:
+        return self.controller.state.groups[group_id].prompt_index
+
+    def _session(self, group_id: int) -> EnvironmentSession:
+        env = None if self.environment_factory is None else self.environment_factory()
+        return EnvironmentSession(env, self.tools)
+
+    def _reset(self, session: EnvironmentSession, group_id: int) -> str | None:
+        kwargs = (
+            {} if self.reset_kwargs is None else self.reset_kwargs(self._prompt_index(group_id))
+        )
+        return session.reset(**kwargs)
+
+    async def _run(
+        self, request: GroupRequest, spec: SiblingSpec, dispatched: int
+    ) -> SiblingResult:
+        gid, key = request.group_id, (request.group_id, spec.sibling)
+        prompt = request.prompt_token_ids
+        budget = request.sampling.max_tokens
+        session = self._session(gid)
+        traj = self.book.get(key)
+        group = self.controller.state.groups[gid]
+        if traj is not None and traj.prompt != (group.data_pass, group.prompt_index):
+            traj = None  # an abandoned branch's trajectory of another prompt: start anew
+        if traj is None:
+            observation = self._reset(session, gid)
+            obs_ids = self.tokenizer.encode(observation) if observation else []
+            obs_ids = obs_ids[: max(0, budget - 1)]
+            pid = self._payload_id(spec, gid, "start") if obs_ids else None
+            puts = (
+                (PayloadPut(pid, "observation", encode_arrays({"token_ids": obs_ids})),)
+                if pid
+                else ()
+            )
+            traj = self._record(
+                TrajectoryStarted(
+                    group_id=gid,
+                    sibling=spec.sibling,
+                    attempt=spec.attempt,
+                    prompt_index=group.prompt_index,
+                    data_pass=group.data_pass,
+                    prompt_tokens=len(prompt),
+                    observation=observation,
+                    observation_tokens=len(obs_ids),
+                    payload_id=pid,
+                ),
+                *puts,
+            )
+        elif traj.completed:
+            # Every turn is durable and the trajectory finished: nothing is run again.
+            traj = self._record(self._resumed(spec, gid, traj))
+            self.stats.trajectories_resumed += 1
+            self.stats.model_calls_reused += traj.turns
+            return self._result_of(request, spec, traj, dispatched, None)
+        else:
+            traj = self._resume(spec, gid, traj, session)
+        while True:
+            if self.book[key].turns:
+                finish = await self._answer(request, spec, session)
+                if finish is not None:
+                    break
+            traj = self.book[key]
+            left = budget - (traj.context_tokens - len(prompt))
+            if traj.turns >= self.config.max_turns:
+                finish = "max_turns"
+                break
+            limit = self.config.max_context_tokens
+            if limit is not None:
+                left = min(left, limit - traj.context_tokens)
+            if left < 1:
+                finish = "context_full"
+                break
+            await self._model_call(request, spec, traj, left)
+        traj = self.book[key]
+        return self._complete(request, spec, traj, session, dispatched, finish)
+
+    @staticmethod
+    def _resumed(spec: SiblingSpec, gid: int, traj: TrajectoryState) -> TrajectoryResumed:
+        """The event of attempt ``spec`` taking ``traj`` over."""
+        return TrajectoryResumed(
+            group_id=gid,
+            sibling=spec.sibling,
+            attempt=spec.attempt,
+            from_epoch=traj.owner[0],
+            from_attempt=traj.owner[1],
+            model_calls_reused=traj.turns,
+            tool_results_reused=sum(1 for c in traj.tool_calls if c.status != "requested"),
+            tool_calls_open=len(traj.open_tool_calls()),
+        )
+
+    def _resume(
+        self, spec: SiblingSpec, gid: int, traj: TrajectoryState, session: EnvironmentSession
+    ) -> TrajectoryState:
+        """Take the trajectory over under this attempt; rebuild the environment's memory
+        by replaying its recorded idempotent tool calls (safe by definition)."""
+        reused = sum(1 for c in traj.tool_calls if c.status != "requested")
+        traj = self._record(self._resumed(spec, gid, traj))
+        self.stats.trajectories_resumed += 1
+        self.stats.model_calls_reused += traj.turns
+        self.stats.tool_results_reused += reused
+        self._reset(session, gid)
+        for call in traj.tool_calls:
+            tool = session.tools.get(call.tool)
+            if call.status == "completed" and tool is not None and tool.idempotent:
+                try:
+                    tool(call.arguments, call.idempotency_key)
+                except Exception:  # its recorded result stands; the replay only rebuilds memory
+                    log.debug("replaying idempotent tool %s failed", call.tool, exc_info=True)
+        return traj
+
+    async def _model_call(
+        self, request: GroupRequest, spec: SiblingSpec, traj: TrajectoryState, left: int
+    ) -> None:
+        context = self._context(request.prompt_token_ids, traj)
+        sampling = SamplingConfig(
+            max_tokens=min(self.config.max_tokens_per_turn, left),
+            temperature=request.sampling.temperature,
+            top_p=request.sampling.top_p,
+        )
+        turn_request = GroupRequest(request.group_id, tuple(context), (spec,), sampling)
+        (res,) = await self.inner.generate(turn_request)
+        pid = self._payload_id(spec, request.group_id, f"t{traj.turns}")
+        data = encode_arrays({"token_ids": list(res.token_ids), "logprobs": list(res.logprobs)})
+        self._record(
+            ModelCallCompleted(
+                group_id=request.group_id,
+                sibling=spec.sibling,
+                attempt=spec.attempt,
+                turn=traj.turns,
+                context_tokens=len(context),
+                output_tokens=len(res.token_ids),
+                weight_version=res.weight_version,
+                payload_id=pid,
+                finish_reason=res.finish_reason,
+                engine_id=res.engine_id,
+            ),
+            PayloadPut(pid, "model_call", data),
+        )
+        self.stats.model_calls += 1
+
+    async def _answer(
+        self, request: GroupRequest, spec: SiblingSpec, session: EnvironmentSession
+    ) -> str | None:
+        """Answer the newest turn (again after a resume: what is recorded is skipped):
+        its tool calls, each requested durably before it runs (or resolved if an earlier
+        attempt left it open), else an environment step. Returns why the trajectory
+        ends, or None to go on with the next model call."""
+        gid, key = request.group_id, (request.group_id, spec.sibling)
+        prompt, budget = request.prompt_token_ids, request.sampling.max_tokens
+        traj = self.book[key]
+        turn = traj.turns - 1
+        text = self._output_text(traj)
+        calls = self.parse(text)
+        for index, call in enumerate(calls):
+            traj = self.book[key]
+            ikey = f"{self.controller.run_id}/g{gid}/s{spec.sibling}/t{turn}/c{index}"
+            known = traj.tool_call(ikey)
+            if known is not None and known.status != "requested":
+                continue  # its result is recorded: fed back, not run again
+            left = budget - (traj.context_tokens - len(prompt))
+            if left < 1:
+                return "context_full"  # no room for its result
+            tool = session.tools.get(call.name)
+            if known is None:
+                self._record(
+                    ToolCallRequested(
+                        group_id=gid,
+                        sibling=spec.sibling,
+                        attempt=spec.attempt,
+                        turn=turn,
+                        call=index,
+                        tool=call.name,
+                        arguments=call.arguments,
+                        idempotency_key=ikey,
+                        idempotent=tool is not None and tool.idempotent,
+                        status_check=tool is not None and tool.status is not None,
+                    )
+                )
+                # The request is durable before the tool runs.
+                await self.controller.aflush()
+                await self._run_tool(spec, gid, turn, ikey, call, tool, left)
+            else:
+                await self._resolve_open(spec, gid, turn, ikey, call, tool, known.idempotent, left)
+        if calls:
+            return None
+        if not session.steps:
+            return "no_tool_call"
+        traj = self.book[key]
+        if not traj.stepped:
+            left = budget - (traj.context_tokens - len(prompt))
+            observation, reward, done = session.step(text)
+            ids = self.tokenizer.encode(observation)[: max(0, left)] if observation else []
+            pid = self._payload_id(spec, gid, f"t{turn}-env") if ids else None
+            puts = (
+                (PayloadPut(pid, "observation", encode_arrays({"token_ids": ids})),) if pid else ()
+            )
+            traj = self._record(
+                EnvironmentStepped(
+                    group_id=gid,
+                    sibling=spec.sibling,
+                    attempt=spec.attempt,
+                    turn=turn,
+                    observation=observation,
+                    observation_tokens=len(ids),
+                    payload_id=pid,
+                    reward=reward,
+                    done=done,
+                ),
+                *puts,
+            )
+        return "done" if traj.done else None
+
+    def _output_text(self, traj: TrajectoryState) -> str:
+        """The newest model output as text (decoded, never re-encoded)."""
+        seg = next(s for s in reversed(traj.segments) if s.kind == "model")
+        key = (traj.group_id, traj.sibling)
+        return self.tokenizer.decode(self._tokens(seg.payload_id or "", key)["token_ids"])
+
+    async def _resolve_open(
+        self,
+        spec: SiblingSpec,
+        gid: int,
+        turn: int,
+        key: str,
+        call: ToolCall,
+        tool: Tool | None,
+        was_idempotent: bool,
+        left: int,
+    ) -> None:
+        """A call requested by an earlier attempt without a recorded result: ask the
+        tool's status, re-run an idempotent tool, or refuse to run it twice."""
+        if tool is not None and tool.status is not None:
+            started = time.perf_counter()
+            result = tool.status(key)
+            if inspect.isawaitable(result):
+                result = await result
+            self.stats.tool_calls_status_checked += 1
+            if result is not None:
+                self._tool_result(spec, gid, turn, key, str(result), started, left, "status_check")
+                return
+            await self._run_tool(spec, gid, turn, key, call, tool, left)  # it never ran
+            return
+        if tool is not None and (was_idempotent or tool.idempotent):
+            await self._run_tool(spec, gid, turn, key, call, tool, left)
+            return
+        reason = (
+            f"tool {call.name!r} was interrupted between its request and its result; it is "
+            "neither idempotent nor has a status check, so it is not run a second time"
+        )
+        self.stats.tool_calls_not_rerun += 1
+        self._tool_failure(spec, gid, turn, key, reason, "not_rerun", time.perf_counter(), left)
+
+    async def _run_tool(
+        self,
+        spec: SiblingSpec,
+        gid: int,
+        turn: int,
+        key: str,
+        call: ToolCall,
+        tool: Tool | None,
+        left: int,
+    ) -> None:
+        started = time.perf_counter()
+        if tool is None:
+            self._tool_failure(
+                spec, gid, turn, key, f"unknown tool {call.name!r}", "error", started, left
+            )
+            return
+        try:
+            result = tool(call.arguments, key)
+            if inspect.isawaitable(result):
+                result = await result
+        except Exception as exc:
+            self.stats.tool_calls_run += 1
+            self._tool_failure(
+                spec, gid, turn, key, f"{type(exc).__name__}: {exc}", "error", started, left
+            )
+            return
+        self.stats.tool_calls_run += 1
+        self._tool_result(spec, gid, turn, key, str(result), started, left, "call")
+
+    def _observation(
+        self, spec: SiblingSpec, gid: int, turn: int, key: str, text: str, left: int
+    ) -> tuple[list[int], PayloadPut]:
+        ids = (self.tokenizer.encode(text) or self.tokenizer.encode(" "))[: max(1, left)]
+        pid = self._payload_id(spec, gid, f"t{turn}-c{key.rsplit('/c', 1)[-1]}")
+        return ids, PayloadPut(pid, "observation", encode_arrays({"token_ids": ids}))
+
+    def _tool_result(
+        self,
+        spec: SiblingSpec,
+        gid: int,
+        turn: int,
+        key: str,
+        result: str,
+        started: float,
+        left: int,
+        source: Any,
+    ) -> None:
+        ids, put = self._observation(spec, gid, turn, key, result, left)
+        self._record(
+            ToolCallCompleted(
+                group_id=gid,
+                sibling=spec.sibling,
+                attempt=spec.attempt,
+                turn=turn,
+                idempotency_key=key,
+                result=result,
+                seconds=time.perf_counter() - started,
+                observation_tokens=len(ids),
+                payload_id=put.payload_id,
+                source=source,
+            ),
+            put,
+        )
+
+    def _tool_failure(
+        self,
+        spec: SiblingSpec,
+        gid: int,
+        turn: int,
+        key: str,
+        reason: str,
+        outcome: Any,
+        started: float,
+        left: int,
+    ) -> None:
+        ids, put = self._observation(spec, gid, turn, key, f"error: {reason}", left)
+        self._record(
+            ToolCallFailed(
+                group_id=gid,
+                sibling=spec.sibling,
+                attempt=spec.attempt,
+                turn=turn,
+                idempotency_key=key,
+                reason=reason,
+                outcome=outcome,
+                seconds=time.perf_counter() - started,
+                observation_tokens=len(ids),
+                payload_id=put.payload_id,
+            ),
+            put,
+        )
+
+    def _complete(
+        self,
+        request: GroupRequest,
+        spec: SiblingSpec,
+        traj: TrajectoryState,
+        session: EnvironmentSession,
+        dispatched: int,
+        finish: Any,
+    ) -> SiblingResult:
+        reward = session.reward()
+        if reward is None:
+            reward = traj.last_reward
+        arrays = self._flatten(traj)
+        pid = self._payload_id(spec, request.group_id, "trajectory")
+        versions = [s.weight_version for s in traj.segments if s.weight_version is not None]
+        traj = self._record(
+            TrajectoryCompleted(
+                group_id=request.group_id,
+                sibling=spec.sibling,
+                attempt=spec.attempt,
+                turns=traj.turns,
+                final_reward=reward,
+                model_tokens=sum(arrays["loss_mask"]),
+                observation_tokens=len(arrays["loss_mask"]) - sum(arrays["loss_mask"]),
+                payload_id=pid,
+                oldest_weight_version=min(versions),
+                newest_weight_version=max(versions),
+                finish=finish,
+            ),
+            PayloadPut(pid, "trajectory", encode_arrays(arrays)),
+        )
+        self.stats.trajectories_completed += 1
+        return self._result_of(request, spec, traj, dispatched, None if reward is None else reward)
+
+    def _flatten(self, traj: TrajectoryState) -> dict[str, list[Any]]:
+        ids: list[int] = []
+        logprobs: list[float] = []
+        for seg in traj.segments:
+            if not seg.tokens or seg.payload_id is None:
+                continue
+            arrays = self._tokens(seg.payload_id, (traj.group_id, traj.sibling))
+            ids.extend(int(t) for t in arrays["token_ids"])
+            if seg.kind == "model":
+                logprobs.extend(float(x) for x in arrays["logprobs"])
+            else:
+                logprobs.extend([0.0] * seg.tokens)
+        return {
+            "token_ids": ids,
+            "logprobs": logprobs,
+            "loss_mask": traj.loss_mask(),
+            "weight_versions": traj.token_versions(),
+        }
+
+    def _result_of(
+        self,
+        request: GroupRequest,
+        spec: SiblingSpec,
+        traj: TrajectoryState,
+        dispatched: int,
+        reward: float | None,
+    ) -> SiblingResult:
+        arrays = self._flatten(traj)
+        versions = [s.weight_version for s in traj.segments if s.weight_version is not None]
+        ids = tuple(arrays["token_ids"])
+        final = traj.final_reward if reward is None else reward
+        if final is not None:
+            self._pending[(request.group_id, spec.sibling, spec.attempt)] = final
+        return SiblingResult(
+            group_id=request.group_id,
+            sibling=spec.sibling,
+            attempt=spec.attempt,
+            # The sibling's version: the newest weights it holds tokens of, kept within the
+            # dispatch's and the trainer's (a restore may have rolled the trainer back
+            # below turns it reuses); the exact per-token versions are in
+            # TrajectoryCompleted's payload.
+            weight_version=min(
+                max([dispatched, *versions]),
+                max(dispatched, self.controller.state.weight_version),
+            ),
+            token_ids=ids,
+            logprobs=tuple(float(x) for x in arrays["logprobs"]),
+            finish_reason="length" if len(ids) >= request.sampling.max_tokens else "stop",
+        )
+
+    def sample_masks(self, batch: Batch) -> list[tuple[list[int], list[int]]]:
+        """For each sample of ``batch`` (in order): its loss mask (1 model token, 0 tool or
+        environment token) and the weight version of each token (-1: not a model token),
+        from its trajectory. The runtime's samples carry the token ids and logprobs; a
+        trainer multiplies its loss by this mask. Call it before ``report_trained`` (a
+        trained group's trajectories are forgotten)."""
+        out = []
+        for sample in batch.samples:
+            traj = self.book.get((sample.group_id, sample.sibling))
+            if traj is None or not traj.completed:
+                raise BackendError(
+                    f"group {sample.group_id} sibling {sample.sibling} has no completed "
+                    "trajectory in this backend's book",
+                    retryable=False,
+                )
+            mask, versions = traj.loss_mask(), traj.token_versions()
+            if len(mask) != len(sample.completion_token_ids):
+                raise BackendError(
+                    f"group {sample.group_id} sibling {sample.sibling}: the trajectory holds "
+                    f"{len(mask)} response tokens, the sample {len(sample.completion_token_ids)}",
+                    retryable=False,
+                )
+            out.append((mask, versions))
+        return out
+
+    def trajectory_reward(self, prompt: Sequence[int], response: Sequence[int]) -> float | None:
+        """The final reward recorded for this prompt and response, handed out once per
+        result (None: not a trajectory this backend finished, or one without a reward)."""
+        key = (tuple(prompt), tuple(response))
+        stack = self._rewards.get(key)
+        if not stack:
+            return None
+        reward = stack.pop()
+        if not stack:
+            del self._rewards[key]
+        return reward
+
+
+class MultiTurnPrompts:
+    """A :class:`~rolloutlog.controller.rollout_runtime.PromptSource` whose reward is the
+    trajectory's final reward (the environment's ``get_reward``, or its last step's
+    reward), falling back to ``prompts``' own reward for a trajectory without one."""
+
+    def __init__(self, prompts: PromptSource, backend: TrajectoryBackend) -> None:
+        self.prompts = prompts
+        self.backend = backend
+
+    @property
+    def fingerprint(self) -> str:
+        return self.prompts.fingerprint
+
+    @property
+    def num_prompts(self) -> int:
+        return self.prompts.num_prompts
+
+    def prompt_token_ids(self, index: int) -> list[int]:
+        return self.prompts.prompt_token_ids(index)
+
+    def reward(self, index: int, completion_token_ids: Sequence[int]) -> float:
+        prompt = tuple(int(t) for t in self.prompts.prompt_token_ids(index))
+        found = self.backend.trajectory_reward(prompt, completion_token_ids)
+        if found is not None:
+            return found
+        return self.prompts.reward(index, completion_token_ids)
