@@ -15,6 +15,7 @@ SIGKILL after a deadline.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import signal
@@ -102,11 +103,16 @@ def _cpu_args(config: LaunchConfig) -> tuple[str, ...]:
 
 
 def health_ok(url: str, timeout: float = 2.0) -> bool:
-    """One ``GET /health`` probe: True on 200."""
+    """One ``GET /health`` probe: True on 200.
+
+    Anything else that answers is not healthy, including a reply that is not HTTP
+    (``http.client.HTTPException``): e.g. while nothing listens yet on a port of the
+    ephemeral range, the probe's socket can connect to itself (TCP self-connect) and read
+    back its own request line (``BadStatusLine: GET /health HTTP/1.1``)."""
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=timeout) as resp:
             return int(resp.status) == 200
-    except (urllib.error.URLError, OSError, ValueError):
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException):
         return False
 
 

@@ -83,11 +83,12 @@ def test_real_workload_config_runs_on_vllm(tmp_path: Path) -> None:
 
 
 def _free_ports(count: int) -> int:
-    """A base port with ``count`` free ports from it."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = int(s.getsockname()[1])
+    """A base port with ``count`` free ports from it, below the ephemeral range (32768+):
+    a probe of a port there that nothing listens on yet can connect to itself."""
+    import random
+
+    for _ in range(200):
+        base = random.randrange(20000, 32768 - count)
         try:
             for i in range(count):
                 with socket.socket() as s:
