@@ -284,6 +284,10 @@ class Worker:
 
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+        if isinstance(self.proc, ForkedProcess) and self.proc.returncode is None:
+            # Forked a moment ago, it may not lead its own group yet (setsid comes first).
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGKILL)
 
     def acks(self) -> list[int]:
         """Every offset the process reported durable."""
