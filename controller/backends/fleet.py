@@ -194,6 +194,8 @@ class FleetBackend:
         if weight_probe is not None and model_dir is None:
             raise ValueError("a weight probe needs model_dir (the reference model)")
         self.engines = [FleetEngine(e) for e in engines]
+        for engine in self.engines:  # a result is kept only if its engine's tag is ours
+            engine.backend.check_tag_after_serving = True
         self._by_id = {e.engine_id: e for e in self.engines}
         self.model_dir = None if model_dir is None else Path(model_dir)
         self._weights_root = None if weights_root is None else Path(weights_root)
