@@ -551,3 +551,131 @@ def test_a_run_on_vllm_engines_reused_from_an_earlier_run_logs_the_weights_they_
     )
     run(restore.start(), timeout=120)
     run(restore.close())
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+# The id "vllm_fleet" puts it in the session vLLM servers' group (tests/conftest.py).
+@pytest.mark.parametrize("engines", ["vllm_fleet"])
+def test_a_vllm_engine_sigstopped_during_a_publish_holds_up_only_itself(
+    engines: str,
+    vllm_server_engines: Any,
+    tiny_model_dir: Path,
+    other_model_dir: Path,
+    base_weights: dict[str, torch.Tensor],
+    run: Runner,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 31's second repro with real engines: engine-1 is SIGSTOPped with requests
+    in flight, then weight version 2 is published. The publish completes on engine-0
+    within one health probe (its interval and timeout) of a publish on two healthy
+    engines; engine-1's pending load is cancelled and it is declared lost; SIGCONTed, it
+    joins without version 2 and is refit (once) before it serves again. Every sample's
+    first logprob is that of the weights of the version it is labelled with."""
+    import signal
+
+    from rolloutlog.controller.backends.weight_probe import WeightProbe
+    from rolloutlog.grpo.tiny_model import load_policy
+
+    from .conftest import score
+    from .test_fleet import PROMPT
+
+    launcher = vllm_server_engines
+    interval, timeout = 0.5, 1.0
+    recorder = Recorder()
+    fleet = FleetBackend(
+        [
+            VLLMServerBackend(
+                e.url, model_dir=tiny_model_dir, max_model_len=MAX_MODEL_LEN, engine_id=e.engine_id
+            )
+            for e in launcher.engines
+        ],
+        model_dir=tiny_model_dir,
+        listener=recorder,
+        health_interval=interval,
+        health_timeout=timeout,
+        dead_after=2,
+        weight_probe=WeightProbe(tiny_model_dir, 1e-3),
+    )
+    other, _ = load_policy(other_model_dir)
+    start_up, _ = load_policy(tiny_model_dir)
+    policies = {1: other, 2: start_up}  # version 2 publishes the start-up tensors again
+    stopped = False
+    run(fleet.start(), timeout=120)
+    try:
+        t0 = time.monotonic()
+        run(fleet.update_weights(other.state_dict().items(), 1), timeout=120)
+        healthy_publish = time.monotonic() - t0
+        victim = fleet.engines[1]
+
+        async def publish_with_engine_1_stopped() -> float:
+            nonlocal stopped
+            # Long requests in flight on engine-1 alone (engine-0 idle: its load need not
+            # wait for a drain), then SIGSTOP and the publish at once.
+            for g in range(3):
+                busy.append(
+                    asyncio.ensure_future(
+                        victim.backend.generate(request(g, 2, MAX_MODEL_LEN - len(PROMPT)))
+                    )
+                )
+            await until(lambda: victim.backend.outstanding > 0, 30, "requests on engine-1")
+            launcher.kill("engine-1", signal.SIGSTOP)
+            stopped = True
+            t1 = time.monotonic()
+            await fleet.update_weights(base_weights.items(), 2)
+            return time.monotonic() - t1
+
+        busy: list[asyncio.Future[Any]] = []
+        publish = run(publish_with_engine_1_stopped(), timeout=180)
+        assert victim.load is None and victim.health is not EngineHealth.HEALTHY
+        assert fleet.health()["engine-0"] is EngineHealth.HEALTHY
+
+        async def served_meanwhile() -> list[Any]:
+            rs = await asyncio.gather(*(fleet.generate(request(100 + g, 2, 12)) for g in range(4)))
+            await until(lambda: victim.health is EngineHealth.DEAD, 30, "engine-1 lost")
+            return [r for group in rs for r in group]
+
+        meanwhile = run(served_meanwhile(), timeout=120)
+        assert {(r.engine_id, r.weight_version) for r in meanwhile} == {("engine-0", 2)}
+        launcher.kill("engine-1", signal.SIGCONT)
+        stopped = False
+        run(until(lambda: victim.health is EngineHealth.HEALTHY, 60, "engine-1 refit"), timeout=90)
+
+        async def served_after() -> list[Any]:
+            rs = await asyncio.gather(*(fleet.generate(request(200 + g, 2, 12)) for g in range(8)))
+            return [r for group in rs for r in group]
+
+        after = run(served_after(), timeout=120)
+        assert "engine-1" in {r.engine_id for r in after}
+        assert {r.weight_version for r in after} == {2}
+        # Its requests from before the stop ended before its refit (it drains first):
+        # served with version 1 (its load was cancelled before anything was sent), or
+        # failed retryable.
+        held = run(asyncio.gather(*busy, return_exceptions=True), timeout=120)
+    finally:
+        if stopped:
+            launcher.kill("engine-1", signal.SIGCONT)
+        for task in busy:
+            task.cancel()
+        run(fleet.close())
+
+    failed = [o for o in held if isinstance(o, BaseException)]
+    assert all(isinstance(o, BackendError) and o.retryable for o in failed), failed
+    samples = [r for o in held if isinstance(o, list) for r in o] + meanwhile + after
+    for r in samples:  # labelled with the version whose weights generated them
+        want = score(policies[r.weight_version], PROMPT, r.token_ids[:1])[0]
+        assert r.logprobs[0] == pytest.approx(want, abs=1e-3), (r, want)
+    events = [e for e in recorder.events if e[1] == "engine-1"]
+    assert ("lost", "engine-1") in {e[:2] for e in events}
+    lost_at = max(i for i, e in enumerate(events) if e[0] == "lost")
+    assert [e[0] for e in events[lost_at:]] == ["lost", "joined", "stale", "refit"]
+    assert events[-1] == ("refit", "engine-1", 2)
+    assert ("refit", "engine-0", 2) in recorder.events
+    # One health probe: its interval and timeout, beyond what a publish on two healthy
+    # engines took here (the load itself and the weight probe).
+    with capsys.disabled():
+        print(
+            f"\npublish with engine-1 SIGSTOPped: {publish:.2f} s; on two healthy engines: "
+            f"{healthy_publish:.2f} s; health probe {interval} s + {timeout} s"
+        )
+    assert publish < healthy_publish + interval + timeout + 1.0, (publish, healthy_publish)
