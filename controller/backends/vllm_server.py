@@ -667,9 +667,13 @@ class VLLMServerBackend(BackendBase):
             self._weights_known = True
 
     async def _set_tag(self, client: Any, tag: str) -> bool:
-        """Set the engine's weight tag; False if the server has no tag endpoint (404)."""
+        """Set the engine's weight tag; False if the server has no tag endpoint (404).
+
+        Part of a weight load: it may take as long as one (``control_timeout``); a
+        timeout would leave the weights unknown.
+        """
         resp = await client.post(
-            "/update_weight_version", json={"new_version": tag}, timeout=self.health_timeout
+            "/update_weight_version", json={"new_version": tag}, timeout=self.control_timeout
         )
         if resp.status_code == 404:
             return False
@@ -717,7 +721,7 @@ class VLLMServerBackend(BackendBase):
         tag = weight_tag(version, fingerprint)
         try:
             if loading is not None:
-                held = await self.served_weight_tag()
+                held = await self.served_weight_tag(self.control_timeout)
                 if held != loading:
                     raise self._weights_lost(
                         f"its weight tag changed to {held!r} during the load of weight "
@@ -726,7 +730,7 @@ class VLLMServerBackend(BackendBase):
                     )
             if not await self._set_tag(client, tag):
                 return
-            held = await self.served_weight_tag()
+            held = await self.served_weight_tag(self.control_timeout)
         except (httpx.TransportError, httpx.TimeoutException) as exc:
             raise self._weights_lost(
                 f"could not tag weight version {version} "
@@ -738,10 +742,13 @@ class VLLMServerBackend(BackendBase):
                 f"{version} (engine reports {held!r})",
             )
 
-    async def served_weight_tag(self) -> str | None:
-        """The weight version tag the engine reports (``GET /weight_info``), or None."""
+    async def served_weight_tag(self, timeout: float | None = None) -> str | None:
+        """The weight version tag the engine reports (``GET /weight_info``), or None.
+
+        ``timeout``: default ``health_timeout`` (the fleet's health monitor asks it).
+        """
         client = self._client_or_raise()
-        resp = await client.get("/weight_info", timeout=self.health_timeout)
+        resp = await client.get("/weight_info", timeout=timeout or self.health_timeout)
         if resp.status_code == 404:
             self._tags_supported = False
         if resp.status_code != 200:
@@ -781,8 +788,8 @@ class VLLMServerBackend(BackendBase):
         httpx = _httpx()
         if self._tags_supported is False:
             return
-        try:
-            held = await self.served_weight_tag()
+        try:  # a slow answer is no reason to discard results: the control deadline
+            held = await self.served_weight_tag(self.control_timeout)
         except (httpx.TransportError, httpx.TimeoutException, ValueError) as exc:
             raise EngineTransportError(
                 f"{self.engine_id}: group {request.group_id}: its weight tag could not be read "

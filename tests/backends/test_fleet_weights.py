@@ -613,11 +613,7 @@ def test_a_vllm_engine_sigstopped_during_a_publish_holds_up_only_itself(
             # Long requests in flight on engine-1 alone (engine-0 idle: its load need not
             # wait for a drain), then SIGSTOP and the publish at once.
             for g in range(3):
-                busy.append(
-                    asyncio.ensure_future(
-                        victim.backend.generate(request(g, 2, MAX_MODEL_LEN - len(PROMPT)))
-                    )
-                )
+                busy.append(asyncio.ensure_future(victim.backend.generate(request(g, 2, 40))))
             await until(lambda: victim.backend.outstanding > 0, 30, "requests on engine-1")
             launcher.kill("engine-1", signal.SIGSTOP)
             stopped = True
@@ -639,7 +635,9 @@ def test_a_vllm_engine_sigstopped_during_a_publish_holds_up_only_itself(
         assert {(r.engine_id, r.weight_version) for r in meanwhile} == {("engine-0", 2)}
         launcher.kill("engine-1", signal.SIGCONT)
         stopped = False
-        run(until(lambda: victim.health is EngineHealth.HEALTHY, 60, "engine-1 refit"), timeout=90)
+        # It drains its own requests from before the stop first, then loads version 2.
+        refit = until(lambda: victim.health is EngineHealth.HEALTHY, 150, "engine-1 refit")
+        run(refit, timeout=180)
 
         async def served_after() -> list[Any]:
             rs = await asyncio.gather(*(fleet.generate(request(200 + g, 2, 12)) for g in range(8)))
