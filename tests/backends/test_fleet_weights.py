@@ -503,7 +503,7 @@ def test_a_run_on_vllm_engines_reused_from_an_earlier_run_logs_the_weights_they_
     took = time.monotonic() - t0
 
     def weights_at(run_id: str, version: int) -> torch.nn.Module:
-        for path in (tmp_path / "checkpoints" / run_id).iterdir():
+        for path in (tmp_path / "checkpoints" / run_id).glob("step-*.pt"):
             meta = torch.load(path, map_location="cpu", weights_only=False)
             if meta["weight_version"] == version:
                 model, _ = load_policy(tiny_model_dir)
