@@ -656,7 +656,7 @@ def _sql_read_groups(
         queries.append(above)
     for q in queries:
         with store.engine.connect() as conn:  # a short read per chunk
-            rows = conn.execute(q).all()
+            rows = list(conn.execute(q).all())
         rows.sort(key=lambda r: r[1])
         for r in rows:
             yield IndexedEvent._make((*r[:6], _utc(r[6]), *r[7:]))
