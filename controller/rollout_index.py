@@ -599,22 +599,13 @@ def read_groups(
     if isinstance(store, EventStore):
         yield from _sql_read_groups(store, run_id, wanted, event_types, from_group)
         return
-    seen: set[int] = set()
-    for gid in wanted:
-        seen.add(gid)
-        yield from _memory_group(store, run_id, gid, event_types)
-    if from_group is not None:
-        above = sorted({r[3] for r in store.derived_rows(TABLE, run_id) if r[3] is not None} - seen)
-        for gid in above:
-            if gid >= from_group:
-                yield from _memory_group(store, run_id, gid, event_types)
-
-
-def _memory_group(
-    store: EventStoreProtocol, run_id: str, group_id: int, event_types: frozenset[str]
-) -> Iterator[IndexedEvent]:
-    for derived in store.derived_rows(TABLE, run_id, group_id=group_id):
-        if derived[2] in event_types:
+    # Any other store (in memory): one pass over its index rows.
+    live = set(wanted)
+    for derived in store.derived_rows(TABLE, run_id):
+        gid = derived[3]
+        if derived[2] not in event_types or gid is None:
+            continue
+        if gid in live or (from_group is not None and gid >= from_group):
             for row in store.read(run_id, derived[1], derived[1]):
                 yield IndexedEvent.of(row, derived)
 
