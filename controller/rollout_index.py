@@ -575,8 +575,18 @@ def _utc(value: datetime) -> datetime:
     return value.astimezone(UTC) if value.tzinfo else value.replace(tzinfo=UTC)
 
 
-#: Group ids per lookup of :func:`read_groups` (bounds the statement's parameters).
+#: Group ids per lookup of :func:`read_groups` (bounds the statement's size).
 _GROUP_CHUNK = 500
+
+
+class GroupEventRow(NamedTuple):
+    """An event as :func:`read_groups` returns it: what decoding and folding need."""
+
+    seq: int
+    epoch: int
+    type: str
+    schema_version: int
+    payload: str
 
 
 def read_groups(
@@ -586,18 +596,18 @@ def read_groups(
     event_types: frozenset[str],
     *,
     from_group: int | None = None,
-) -> Iterator[IndexedEvent]:
+) -> Iterator[GroupEventRow]:
     """The events of types ``event_types`` (none of them a sibling event type) of the
     groups ``group_ids`` and, if ``from_group`` is given, of every group id at or above it,
     in every epoch (abandoned branches included), through the group index. Each group's
-    events come in log order (groups in no particular order); the cost is that of the
-    events returned, not of the run's history."""
+    events come in log order (groups in no particular order); on SQL the cost is that of
+    the events returned, not of the run's history."""
     if event_types & SIBLING_TYPES:
         raise ValueError("read_groups reads rollout_index events, not sibling events")
     attach(store)
-    wanted = sorted(set(group_ids))
+    wanted = sorted({int(g) for g in group_ids})
     if isinstance(store, EventStore):
-        yield from _sql_read_groups(store, run_id, wanted, event_types, from_group)
+        yield from _sql_read_groups(store, run_id, wanted, sorted(event_types), from_group)
         return
     # Any other store (in memory): one pass over its index rows.
     live = set(wanted)
@@ -607,47 +617,46 @@ def read_groups(
             continue
         if gid in live or (from_group is not None and gid >= from_group):
             for row in store.read(run_id, derived[1], derived[1]):
-                yield IndexedEvent.of(row, derived)
+                yield GroupEventRow(row.seq, row.epoch, row.type, row.schema_version, row.payload)
+
+
+def _ints(values: Sequence[int]) -> str:
+    """Ints as an SQL list (``int()`` each: nothing but digits enters the statement)."""
+    return ", ".join(str(int(v)) for v in values)
 
 
 def _sql_read_groups(
     store: EventStore,
     run_id: str,
     group_ids: list[int],
-    event_types: frozenset[str],
+    event_types: list[str],
     from_group: int | None,
-) -> Iterator[IndexedEvent]:
+) -> Iterator[GroupEventRow]:
     """:func:`read_groups` on SQL: chunks of group ids (the group index's seeks, then the
-    events primary key), and one range of the group index above ``from_group``."""
-    ix, ev = rollout_index, events_table
-    base = sa.select(
-        ev.c.run_id,
-        ev.c.seq,
-        ev.c.epoch,
-        ev.c.type,
-        ev.c.schema_version,
-        ev.c.payload,
-        ev.c.recorded_at,
-        ix.c.train_step,
-        ix.c.weight_version,
-        ix.c.group_id,
-        ix.c.prompt_index,
-        ix.c.target_step,
-    ).select_from(ix.join(ev, sa.and_(ev.c.run_id == ix.c.run_id, ev.c.seq == ix.c.seq)))
-    base = base.where(ix.c.run_id == run_id, ix.c.type.in_(sorted(event_types)))
+    events primary key), and one range of the group index above ``from_group``. Driver
+    SQL, plain tuples: the group ids are ints, written into the statement."""
+    mark = "?" if store.engine.dialect.name == "sqlite" else "%s"
+    base = (
+        "SELECT ev.seq, ev.epoch, ev.type, ev.schema_version, ev.payload "
+        "FROM rollout_index ix JOIN events ev ON ev.run_id = ix.run_id AND ev.seq = ix.seq "
+        f"WHERE ix.run_id = {mark} AND ix.type IN ({', '.join([mark] * len(event_types))})"
+    )
+    params = (run_id, *event_types)
     queries = [
-        base.where(ix.c.group_id.in_(group_ids[i : i + _GROUP_CHUNK]))
+        f"{base} AND ix.group_id IN ({_ints(group_ids[i : i + _GROUP_CHUNK])})"
         for i in range(0, len(group_ids), _GROUP_CHUNK)
     ]
     if from_group is not None:
         # Group ids above the live ones' (admitted by an abandoned branch, not yet again).
-        above = base.where(ix.c.group_id >= from_group)
-        if group_ids and group_ids[-1] >= from_group:
-            above = above.where(ix.c.group_id.not_in(group_ids))
+        above = f"{base} AND ix.group_id >= {int(from_group):d}"
+        live_above = [g for g in group_ids if g >= from_group]
+        if live_above:
+            above += f" AND ix.group_id NOT IN ({_ints(live_above)})"
         queries.append(above)
-    for q in queries:
+    make = GroupEventRow._make
+    for sql in queries:
         with store.engine.connect() as conn:  # a short read per chunk
-            rows = list(conn.execute(q).all())
-        rows.sort(key=lambda r: r[1])
+            rows = list(conn.exec_driver_sql(sql, params).all())
+        rows.sort(key=lambda r: r[0])
         for r in rows:
-            yield IndexedEvent._make((*r[:6], _utc(r[6]), *r[7:]))
+            yield make(r)
