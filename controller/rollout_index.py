@@ -30,6 +30,7 @@ import sqlalchemy as sa
 from sqlalchemy import BigInteger, Column, Index, MetaData, PrimaryKeyConstraint, String, Table
 
 from rolloutlog.eventstore import EventStore, NewEvent, StoredEvent
+from rolloutlog.eventstore.errors import StoreError
 from rolloutlog.eventstore.history import history_ranges
 from rolloutlog.eventstore.schema import events as events_table
 from rolloutlog.eventstore.schema import metadata as store_metadata
@@ -603,7 +604,10 @@ def read_groups(
     events come in log order (groups in no particular order); on SQL the cost is that of
     the events returned, not of the run's history."""
     if event_types & SIBLING_TYPES:
-        raise ValueError("read_groups reads rollout_index events, not sibling events")
+        raise StoreError(
+            f"read_groups reads rollout_index events, not sibling events "
+            f"({sorted(event_types & SIBLING_TYPES)})"
+        )
     attach(store)
     wanted = sorted({int(g) for g in group_ids})
     if isinstance(store, EventStore):

@@ -38,6 +38,8 @@ from rolloutlog.controller.multiturn import TrajectoryBackend
 from rolloutlog.controller.rollout_controller import RolloutController
 from rolloutlog.eventstore import EventStore, PayloadPut, encode_arrays
 
+from .domain_bench import BenchmarkError
+
 _ProgressFn = Callable[[str], None]
 DATASET_FINGERPRINT = "bench-domain-dataset"
 
@@ -78,7 +80,7 @@ def _open_run(path: Path, run_id: str, groups: int) -> RolloutController:
         ctl.execute(DispatchSiblings(g.group_id, (0,), ctl.state.published_version))
     ctl.flush()
     if len(ctl.state.groups) != groups:
-        raise RuntimeError(f"built {len(ctl.state.groups)} open groups, wanted {groups}")
+        raise BenchmarkError(f"built {len(ctl.state.groups)} open groups, wanted {groups}")
     return ctl
 
 
@@ -326,7 +328,7 @@ def bench_trajectory_restore(
                 backend.attach(ctl)
                 times.append(time.perf_counter() - started)
                 if len(backend.book) != n or any(t.turns != turns for t in backend.book.values()):
-                    raise RuntimeError(f"attach folded {len(backend.book)} trajectories, not {n}")
+                    raise BenchmarkError(f"attach folded {len(backend.book)} trajectories, not {n}")
         finally:
             ctl.close()
             ctl.store.close()
