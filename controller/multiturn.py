@@ -22,9 +22,10 @@ Durability, turn by turn:
 - a model output or tool result of an attempt that is no longer the live one is refused
   and recorded (``LateResultRefused``).
 
-The book of trajectories is the fold of every trajectory event of the run's log, all
-epochs included (a tool that ran in an abandoned branch still ran): :meth:`attach`
-reads it when the backend is put on a (restored) controller.
+The book of trajectories is the fold of the trajectory events of the groups a dispatch
+can still reach, all epochs included (a tool that ran in an abandoned branch still ran):
+:meth:`attach` reads them through the rollout index when the backend is put on a
+(restored) controller, at the cost of those trajectories, not of the run's history.
 
 The runtime's ``max_tokens`` bounds a whole trajectory's response (model, tool and
 environment tokens); :class:`MultiTurnConfig` bounds each model call and the turns.
@@ -74,6 +75,7 @@ from .domain.trajectory import (
     evolve_trajectory,
 )
 from .environments import EnvironmentSession, Tokenizer, Tool, ToolCall, parse_tool_calls
+from .rollout_index import read_groups
 
 if TYPE_CHECKING:
     import torch
@@ -165,13 +167,26 @@ class TrajectoryBackend:
 
     # ------------------------------------------------------------ wiring
     def attach(self, controller: RolloutController) -> None:
-        """Record through ``controller``; fold every trajectory event of its run's log
-        (every epoch: what ran in an abandoned branch ran) into the book."""
+        """Record through ``controller``; fold into the book the trajectory events (every
+        epoch: what ran in an abandoned branch ran) of the groups a dispatch can still
+        reach: those live in the run state, and those with ids the run has not admitted
+        yet (an abandoned branch's, which the run admits again under the same ids).
+
+        The events come through the rollout index's group index: the cost is that of the
+        trajectories read, not of the run's history (trained groups are never read)."""
         self._controller = controller
         self.book = {}
-        for row in controller.store.read(controller.run_id):
-            if row.type in TURN_EVENT_TYPES:
-                evolve_trajectory(self.book, CODEC.decode(row), row.epoch)  # type: ignore[arg-type]
+        state = controller.state
+        rows = read_groups(
+            controller.store,
+            controller.run_id,
+            list(state.groups),
+            TURN_EVENT_TYPES,
+            from_group=state.next_group_id,
+        )
+        book = self.book
+        for row in rows:
+            evolve_trajectory(book, CODEC.decode(row), row.epoch)  # type: ignore[arg-type]
 
     @property
     def controller(self) -> RolloutController:
@@ -233,8 +248,10 @@ class TrajectoryBackend:
         """Drop the trajectories (and their cached token arrays) of groups that left the
         run state (trained, evicted, dropped): no attempt can resume them any more. A
         restore reads the book again from the log (:meth:`attach`)."""
-        groups = self.controller.state.groups
-        for key in [k for k in self.book if k[0] not in groups]:
+        state = self.controller.state
+        groups, admitted = state.groups, state.next_group_id
+        # (Ids not admitted yet keep theirs: an abandoned branch's, admitted again later.)
+        for key in [k for k in self.book if k[0] not in groups and k[0] < admitted]:
             del self.book[key]
             for pid in self._held.pop(key, ()):
                 self._arrays.pop(pid, None)

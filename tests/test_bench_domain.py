@@ -46,6 +46,8 @@ TINY = DomainBenchSizes(
     groups_per_step=4,
     group_size=2,
     memory_steps=2,
+    turn_trajectories=20,
+    turn_restore_trajectories=(10, 100),
 )
 
 
@@ -65,6 +67,8 @@ def test_json_has_the_ratios_and_their_targets(result: dict[str, Any]) -> None:
             "restore_10m_vs_100k",
             "max_loop_pause_ms",
             "max_snapshot_step_ms",
+            "turn_event_overhead",
+            "restore_100k_vs_1k_trajectories",
         }
     )
     # Reported beside the targets, without one of its own: the loop without gc.freeze
@@ -346,3 +350,22 @@ def test_the_loop_part_timed_full_collections_of_untracked_and_tracked_groups(
     extra = full["tracked_objects"] - full["untracked_objects"]
     assert extra >= full["groups"] * (1 + full["group_size"])
     assert result["loop"]["tracked_objects"] > 0
+
+
+def test_the_turns_part_compares_turn_events_with_one_completion_and_restores_two_sizes(
+    result: dict[str, Any],
+) -> None:
+    overhead = result["turns"]["overhead"]
+    assert overhead["turns"] == 10
+    assert overhead["trajectories_each"] == {"turns": 20, "one_completion": 20}
+    assert result["ratios"]["turn_event_overhead"] == pytest.approx(
+        overhead["seconds_per_trajectory_turn_events"]
+        / overhead["seconds_per_trajectory_one_completion"]
+    )
+    restore = result["turns"]["restore"]
+    small, large = restore["10"], restore["100"]
+    assert (small["open_trajectories"], large["open_trajectories"]) == (10, 100)
+    assert large["log_events"] > small["log_events"]
+    assert result["ratios"]["restore_100k_vs_1k_trajectories"] == pytest.approx(
+        large["seconds_per_trajectory"] / small["seconds_per_trajectory"]
+    )

@@ -92,8 +92,12 @@ TARGETS: dict[str, tuple[str, float]] = {
     "restore_10m_vs_100k": ("<=", 1.5),
     "max_loop_pause_ms": ("<=", 50.0),
     "max_snapshot_step_ms": ("<=", 50.0),
+    # Multi-turn (rolloutlog/bench/turn_bench.py): turn events against one completion per
+    # trajectory; the restore's fold per open trajectory, 100k against 1k.
+    "turn_event_overhead": ("<=", 1.05),
+    "restore_100k_vs_1k_trajectories": ("<=", 1.2),
 }
-PARTS = ("checkpoint", "restore", "memory", "loop")
+PARTS = ("checkpoint", "restore", "memory", "loop", "turns")
 DATASET_FINGERPRINT = "bench-domain-dataset"
 _ProgressFn = Callable[[str], None]
 
@@ -133,6 +137,10 @@ class DomainBenchSizes:
     group_size: int = 16
     #: Training steps of the memory benchmark's base case.
     memory_steps: int = 10
+    #: Trajectories of 10 turns recorded each way (turn events, one completion).
+    turn_trajectories: int = 1_000
+    #: Open trajectories in the two trajectory-restore logs (baseline, large).
+    turn_restore_trajectories: tuple[int, int] = (1_000, 100_000)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly form."""
@@ -148,6 +156,8 @@ SMALL_SIZES = DomainBenchSizes(
     snapshot_interval=5_000,
     restore_tail=2_500,
     memory_steps=4,
+    turn_trajectories=200,
+    turn_restore_trajectories=(1_000, 10_000),
 )
 
 
@@ -1165,6 +1175,17 @@ def run_domain_benchmark(
         if "loop" in parts:
             result["loop"] = bench_loop_pause(root, sizes, progress)
             ratios.update(result["loop"].pop("ratios"))
+        if "turns" in parts:
+            from .turn_bench import bench_trajectory_restore, bench_turn_overhead
+
+            result["turns"] = {
+                "overhead": bench_turn_overhead(root, sizes.turn_trajectories, progress=progress),
+                "restore": bench_trajectory_restore(
+                    root, sizes.turn_restore_trajectories, progress=progress
+                ),
+            }
+            for sub in result["turns"].values():
+                ratios.update(sub.pop("ratios"))
     result["ratios"] = ratios
     result["targets"] = {
         name: {

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 from ._options import db_dir_option, flag, json_option, optional_int
 
-_PARTS = ("checkpoint", "restore", "memory", "loop")
+_PARTS = ("checkpoint", "restore", "memory", "loop", "turns")
 
 
 def _fmt_s(seconds: float | None) -> str:
@@ -230,7 +230,7 @@ def print_report(result: dict[str, Any]) -> None:
     "only",
     type=click.Choice(_PARTS),
     multiple=True,
-    help="Run only these parts (repeatable); default: all four.",
+    help="Run only these parts (repeatable); default: all five.",
 )
 @flag(
     "--full-replay-check",

@@ -30,6 +30,7 @@ from rolloutlog.controller.domain.trajectory import (
 )
 from rolloutlog.controller.prompt_ledger import build_ledger, cross_check
 from rolloutlog.controller.rollout_controller import RolloutController, replay
+from rolloutlog.controller.rollout_index import attach as attach_index
 from rolloutlog.controller.rollout_index import read_indexed
 from rolloutlog.eventstore import MemoryEventStore, NewEvent, decode_arrays
 
@@ -69,6 +70,7 @@ def _crashed_at(base: MemoryEventStore, k: int, ledger: Ledger) -> tuple[MemoryE
     target = MemoryEventStore()
     target.create_run(RUN, config_fingerprint=info.config_fingerprint, config_json=info.config_json)
     rows = list(read_indexed(base, RUN, 1, k))
+    attach_index(target)  # the index is written with its events, as the controller's store does
     target.append(
         RUN,
         [

@@ -368,3 +368,49 @@ def test_a_generation_failure_mid_conversation_reruns_only_the_current_turn(
     assert len(calls) == len(set(calls))  # turn 0 never generated again
     assert stats.model_calls_reused >= 4 and stats.tool_results_reused >= 4
     store.close()
+
+
+def test_attach_reads_only_the_trajectories_a_dispatch_can_reach(
+    db_url: str, tmp_path: Path
+) -> None:
+    """A restore folds the live groups' trajectories and those of ids an abandoned branch
+    admitted (admitted again later: what ran there ran), every epoch, through the rollout
+    index; trained groups' trajectories are not read."""
+    from mt_task import ROLLOUT, Prompts
+
+    from rolloutlog.controller.rollout_controller import RolloutController
+
+    store = EventStore.open(db_url)
+    ctl = start(store)
+    ledger = Ledger(tmp_path / "ledger.tsv")
+
+    async def drive() -> int:
+        rt, _, _ = runtime(ctl, ledger)
+        await rt.start()
+        checkpoint = 0
+        try:
+            for step in range(3):
+                await rt.next_batch(step, timeout=60)
+                await rt.report_trained(step, step + 1)
+                await rt.publish_weights(WEIGHTS, step + 1)
+                if step == 0:
+                    checkpoint = ctl.checkpoint(step + 1)
+        finally:
+            await rt.close()
+        return checkpoint
+
+    checkpoint = asyncio.run(drive())
+    ctl.close()
+    full = fold_trajectories(_turn_events(store))
+    restored, _ = RolloutController.restore(
+        store, RUN, checkpoint, rollout=ROLLOUT, dataset_fingerprint=Prompts.fingerprint
+    )
+    _, multi, _ = runtime(restored, ledger)
+    state = restored.state
+    reachable = {k for k in full if k[0] in state.groups or k[0] >= state.next_group_id}
+    assert multi.book == {k: full[k] for k in reachable}
+    assert len(full) > len(reachable)  # trained groups' trajectories were not read
+    # The abandoned branch's trajectories (ids not admitted again yet) are in the book.
+    assert any(gid >= state.next_group_id for gid, _ in multi.book)
+    restored.close()
+    store.close()
