@@ -27,6 +27,7 @@ if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
 from audit_helpers import BuiltRun, build_audit_run, drop_role  # noqa: E402
+from mt_audit_helpers import BuiltMtRun, build_mt_run  # noqa: E402
 
 
 @pytest.fixture(
@@ -69,6 +70,21 @@ def audit_run(audit_url: str) -> Iterator[BuiltRun]:
             segments=store.history_segments(run.run_id),
             audit=SqlAudit(audit_url, allow_privileged_role=True),
         )
+    finally:
+        store.close()
+    try:
+        yield built
+    finally:
+        built.audit.close()
+
+
+@pytest.fixture(scope="session")
+def mt_run(audit_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BuiltMtRun]:
+    """A real multi-turn run (a restore, resumed trajectories, a tool failure) in the
+    audit database, beside the scripted run (its own run id)."""
+    store = EventStore.open(audit_url)
+    try:
+        built = build_mt_run(store, audit_url, tmp_path_factory.mktemp("mt") / "ledger.tsv")
     finally:
         store.close()
     try:
