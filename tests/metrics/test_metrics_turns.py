@@ -142,3 +142,51 @@ def test_tool_labels_are_bounded_and_survive_a_snapshot() -> None:
         _failures(proj.values()["counters"])[(OTHER_TOOL, "error")]
         == got[(OTHER_TOOL, "error")] + 1
     )
+
+
+def test_the_report_has_a_turns_view(mt: BuiltMtRun, tmp_path: Path) -> None:
+    from rolloutlog.controller.domain.trajectory import fold_trajectories
+    from rolloutlog.controller.metrics.report import collect, render_html, write_report
+
+    book = fold_trajectories((epoch, e) for _, epoch, e in mt.turn_events)
+    with EventStore.open(mt.url) as store:
+        data = collect(store, mt.run_id)
+        charts = write_report(store, mt.run_id, tmp_path / "report.html")
+    rows = {(t["group_id"], t["sibling"]): t for t in data.trajectories}
+    assert set(rows) == set(book)
+    for key, traj in book.items():
+        row = rows[key]
+        assert (row["turns"], row["resumes"], row["completed"]) == (
+            traj.turns,
+            traj.resumes,
+            traj.completed,
+        )
+        assert row["model_tokens"] == sum(traj.loss_mask())
+        assert row["tool_failures"] == sum(c.status == "failed" for c in traj.tool_calls)
+    assert any(r["resumes"] for r in rows.values())
+    assert charts == 8  # the six of every run, then turns and trajectories
+    page = render_html(data)
+    assert 'id="chart-turns"' in page and 'id="chart-trajectories"' in page
+
+
+def test_the_turns_view_draws_in_headless_chromium(mt: BuiltMtRun, tmp_path: Path) -> None:
+    import re
+
+    obs = str(Path(__file__).resolve().parents[1] / "observability")
+    if obs not in sys.path:
+        sys.path.insert(0, obs)
+    from test_report import _chromium
+
+    from rolloutlog.controller.metrics.report import write_report
+
+    out = tmp_path / "report.html"
+    with EventStore.open(mt.url) as store:
+        assert write_report(store, mt.run_id, out) == 8
+    dom = _chromium(["--dump-dom", out.as_uri()], tmp_path / "profile").decode()
+    marker = re.search(r'<p id="render-status" data-plots="(\d+)" data-drawn="(\d+)"', dom)
+    assert marker is not None and marker.groups() == ("8", "8"), dom[:2000]
+    for chart in ("turns", "trajectories"):
+        start = dom.index(f'id="chart-{chart}"')
+        end = dom.find('class="plotly-graph-div"', start + 1)
+        chunk = dom[start : end if end > 0 else len(dom)]
+        assert "main-svg" in chunk and ('class="trace' in chunk or 'class="table' in chunk)
