@@ -52,21 +52,28 @@ def test_every_trajectory_turn_by_turn(mt: BuiltMtRun) -> None:
             for s in steps:
                 assert s["in_history"] == (s["offset"] in mt.history)
                 assert s["epoch"] == epoch_of[s["offset"]]
+            # A turn's steps may be split by a resume (a tool call answered by the new
+            # attempt's status check): its number then appears again after the resume.
             numbered = [turn["turn"] for turn in t["turns"] if turn["turn"] not in (-1, None)]
-            assert numbered == list(range(traj.turns))
+            assert numbered == sorted(numbered)
+            assert sorted(set(numbered)) == list(range(traj.turns))
+            by_turn: dict[int, list[dict[str, object]]] = {}
             for turn in t["turns"]:
-                if turn["turn"] in (-1, None):
-                    continue
-                kinds = [s["kind"] for s in turn["steps"]]
+                if turn["turn"] not in (-1, None):
+                    by_turn.setdefault(turn["turn"], []).extend(turn["steps"])
+            for turn_steps in by_turn.values():
+                kinds = [s["kind"] for s in turn_steps]
                 assert kinds[0] == "model_call" and kinds.count("model_call") == 1
-                requests = [s for s in turn["steps"] if s["kind"] == "tool_request"]
-                answers = [s for s in turn["steps"] if s["kind"] in ("tool_result", "tool_failure")]
+                requests = [s for s in turn_steps if s["kind"] == "tool_request"]
+                answers = [s for s in turn_steps if s["kind"] in ("tool_result", "tool_failure")]
                 assert {s["idempotency_key"] for s in answers} <= {
                     s["idempotency_key"] for s in requests
                 }
             if traj.resumes:
                 resumed_seen += 1
-                (resume,) = [s for s in steps if s["kind"] == "resumed"]
+                resumes = [s for s in steps if s["kind"] == "resumed"]
+                assert len(resumes) == traj.resumes
+                resume = resumes[0]
                 before = [s for s in steps if s["offset"] < resume["offset"]]
                 assert resume["model_calls_reused"] == sum(
                     s["kind"] == "model_call" for s in before
