@@ -257,6 +257,141 @@ def explain(
     return out
 
 
+#: A trajectory event's kind in ``explain_trajectory`` (as in the SQL view ``turns``).
+TURN_KINDS: dict[str, str] = {
+    "TrajectoryStarted": "start",
+    "ModelCallCompleted": "model_call",
+    "ToolCallRequested": "tool_request",
+    "ToolCallCompleted": "tool_result",
+    "ToolCallFailed": "tool_failure",
+    "EnvironmentStepped": "environment_step",
+    "TrajectoryCompleted": "completed",
+    "TrajectoryResumed": "resumed",
+    "LateResultRefused": "late_refused",
+}
+
+#: Fields of a trajectory event shown in a step (the rest: ``"event"``).
+_STEP_FIELDS = (
+    "output_tokens",
+    "context_tokens",
+    "weight_version",
+    "engine_id",
+    "finish_reason",
+    "tool",
+    "call",
+    "arguments",
+    "idempotency_key",
+    "result",
+    "reason",
+    "outcome",
+    "source",
+    "seconds",
+    "observation",
+    "observation_tokens",
+    "reward",
+    "done",
+    "model_calls_reused",
+    "tool_results_reused",
+    "tool_calls_open",
+    "from_epoch",
+    "from_attempt",
+    "kind",
+    "current_attempt",
+    "finish",
+    "final_reward",
+    "model_tokens",
+)
+
+
+def explain_trajectory(
+    store: EventStoreProtocol, run_id: str, group_id: int, sibling: int | None = None
+) -> list[dict[str, Any]]:
+    """The trajectories of a group (or of one of its siblings), turn by turn.
+
+    Every stored trajectory event counts, abandoned ones included (marked
+    ``in_history: false``): a restore reuses the turns an abandoned branch recorded. A
+    sibling's events belong to the trajectory whose ``TrajectoryStarted`` is the newest
+    before them (as the trajectory backend folds them). Each trajectory: its key, prompt,
+    the fold's summary (turns, tool calls, resumes, loss-mask token counts, completion)
+    and ``turns``: one entry per turn (``turn`` -1: before the first model call, i.e.
+    the start; None: resumes and the completion, which belong to no turn) with its
+    steps in log order.
+    """
+    from .domain.events import CODEC
+    from .domain.trajectory import (
+        TURN_EVENT_TYPES,
+        TrajectoryStarted,
+        TurnEvent,
+        evolve_trajectory,
+    )
+
+    segments = store.history_segments(run_id)
+    found: list[dict[str, Any]] = []
+    current: dict[int, dict[str, Any]] = {}  # sibling -> its trajectory in effect
+    books: dict[int, dict[Any, Any]] = {}
+    for row in read_where(store, run_id, group_id=group_id):
+        if row.type not in TURN_EVENT_TYPES:
+            continue
+        event = CODEC.decode(row)
+        assert isinstance(event, TurnEvent)
+        if sibling is not None and event.sibling != sibling:
+            continue
+        if isinstance(event, TrajectoryStarted):
+            traj: dict[str, Any] = {
+                "group_id": event.group_id,
+                "sibling": event.sibling,
+                "trajectory_offset": row.seq,
+                "prompt_index": event.prompt_index,
+                "data_pass": event.data_pass,
+                "prompt_tokens": event.prompt_tokens,
+                "turns": [],
+            }
+            current[event.sibling] = traj
+            books[row.seq] = {}
+            found.append(traj)
+        traj_or_none = current.get(event.sibling)
+        if traj_or_none is None:
+            continue  # a late refusal before any start: nothing to attach it to
+        traj = traj_or_none
+        evolve_trajectory(books[traj["trajectory_offset"]], event, row.epoch)
+        data = event.model_dump()
+        turn = data.get("turn")
+        if isinstance(event, TrajectoryStarted):
+            turn = -1
+        step = {
+            "offset": row.seq,
+            "epoch": row.epoch,
+            "attempt": event.attempt,
+            "in_history": any(a <= row.seq <= b for a, b in segments),
+            "kind": TURN_KINDS[row.type],
+            **{k: data[k] for k in _STEP_FIELDS if k in data and data[k] is not None},
+        }
+        turns: list[dict[str, Any]] = traj["turns"]
+        if not turns or turns[-1]["turn"] != turn:
+            turns.append({"turn": turn, "steps": []})
+        turns[-1]["steps"].append(step)
+    for traj in found:
+        (state,) = books[traj["trajectory_offset"]].values()
+        mask = state.loss_mask()
+        traj.update(
+            model_calls=state.turns,
+            tool_calls=len(state.tool_calls),
+            tool_failures=sum(c.status == "failed" for c in state.tool_calls),
+            tool_calls_open=len(state.open_tool_calls()),
+            resumes=state.resumes,
+            late_refused=state.late_refused,
+            model_tokens=sum(mask),
+            observation_tokens=len(mask) - sum(mask),
+            weight_versions=sorted(
+                {s.weight_version for s in state.segments if s.weight_version is not None}
+            ),
+            owner={"epoch": state.owner[0], "attempt": state.owner[1]},
+            completed=state.completed,
+            final_reward=state.final_reward,
+        )
+    return found
+
+
 def _group_of_request(request_id: str) -> int | None:
     """The group of a sibling request id ``g{group}-s{sibling}-a{attempt}`` (None: other)."""
     head = request_id.split("-", 1)[0]
@@ -441,6 +576,7 @@ __all__ = [
     "check_history",
     "diff_states",
     "explain",
+    "explain_trajectory",
     "split_decisions",
     "state_at",
     "state_summary",

@@ -1,8 +1,11 @@
 """SQL audit of a stored run: canned queries over the audit views, and a read-only runner.
 
-The views (created by the alembic revisions ``0006_rollout_views`` and
-``0007_prompt_passes``, documented in ``docs/sql-cookbook.md``) hold each run's *current
-history* only: events a restore abandoned appear in ``abandoned_events`` and nowhere else.
+The views (created by the alembic revisions ``0006_rollout_views``,
+``0007_prompt_passes``, ``0008_engine_views`` and ``0012_turn_views``, documented in
+``docs/sql-cookbook.md``) hold each run's *current history* only: events a restore
+abandoned appear in ``abandoned_events`` and nowhere else, except in the multi-turn views
+(``turns``, ``trajectories``, ``tool_calls``), which read both and say which
+(``in_history``): a restore reuses the turns an abandoned branch recorded.
 
 :class:`SqlAudit` opens the log read-only and runs one query per transaction, read-only
 by construction (``docs/sql-cookbook.md``, "Read-only by construction"):
@@ -58,6 +61,10 @@ VIEWS: dict[str, str] = {
     "sample_engines": "one row per completed sibling attempt, with the engine that made it",
     "engine_membership": "one row per engine joined, lost or refit",
     "engine_lost_attempts": "one row per attempt in flight on an engine when it was lost",
+    "turns": "one row per trajectory event (model call, tool call, environment step...), "
+    "history and abandoned, in log order",
+    "trajectories": "one row per multi-turn trajectory: prompt, attempts, turns, tokens, end",
+    "tool_calls": "one row per tool call requested, with its result or failure",
 }
 
 #: Default limit of rows a query returns (more are reported as truncated).

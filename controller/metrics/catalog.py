@@ -25,6 +25,21 @@ STALENESS_BUCKETS: tuple[float, ...] = (*range(17), 24, 32, 64)
 OTHER_ENGINE = "other"
 #: Values of the ``outcome`` label of ``rollout_prompts_dropped_total`` (what filled the slot).
 DROP_OUTCOMES: tuple[str, ...] = ("replaced", "borrowed", "shrunk", "unreplaced", "run_failed")
+#: Buckets of ``rollout_trajectory_turns`` (model calls per completed trajectory): one per
+#: value up to 16, as for staleness.
+TURN_BUCKETS: tuple[float, ...] = (*range(1, 17), 24, 32, 64)
+#: Buckets of ``rollout_tool_call_seconds``.
+TOOL_SECONDS_BUCKETS: tuple[float, ...] = (
+    0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0,
+)  # fmt: skip
+#: Tools that get their own value of the ``tool`` label (in order of first request); later
+#: tools, and a result whose request the fold did not see, count as ``tool="other"``, so
+#: environments with many (or generated) method names cannot grow the series without bound.
+MAX_TOOL_LABELS = 32
+#: The tool label value past :data:`MAX_TOOL_LABELS` (a label value, not a tunable).
+OTHER_TOOL = "other"
+#: Values of the ``outcome`` label of ``rollout_tool_failures_total``.
+TOOL_FAILURE_OUTCOMES: tuple[str, ...] = ("error", "not_rerun")
 #: Values of the ``type`` label of ``rollout_events_total``: every rollout event type,
 #: exported at 0 before its first event so that ``increase()`` counts that event.
 EVENT_TYPES: tuple[str, ...] = tuple(CODEC.types)
@@ -199,6 +214,27 @@ METRICS: dict[str, MetricInfo] = {
         "engines",
         "Engines lost (EngineLost events), by engine (bounded like the completions).",
         ("engine",),
+    ),
+    # ---------------------------------------------------------------- multi-turn
+    "rollout_trajectory_turns": MetricInfo(
+        "histogram",
+        "turns",
+        "Model calls (turns) of each completed multi-turn trajectory (TrajectoryCompleted).",
+    ),
+    "rollout_tool_call_seconds": MetricInfo(
+        "histogram",
+        "seconds",
+        "Seconds each tool call took (or its status check after a restore), completed or "
+        "failed, as recorded in ToolCallCompleted / ToolCallFailed.",
+    ),
+    "rollout_tool_failures_total": MetricInfo(
+        "counter",
+        "tool calls",
+        "Tool calls that failed, by tool and outcome (error: the tool raised; not_rerun: "
+        f"interrupted and not run twice). The first {MAX_TOOL_LABELS} tools requested get "
+        'their own label value, later ones "other"; each is exported at 0 from its first '
+        "request.",
+        ("tool", "outcome"),
     ),
     "rollout_events_total": MetricInfo(
         "counter", "events", "Events stored for the run (all epochs), by event type.", ("type",)

@@ -12,7 +12,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .catalog import METRICS, PLAIN_COUNTERS, STALENESS_BUCKETS, MetricInfo
+from .catalog import (
+    METRICS,
+    PLAIN_COUNTERS,
+    STALENESS_BUCKETS,
+    TOOL_SECONDS_BUCKETS,
+    TURN_BUCKETS,
+    MetricInfo,
+)
 from .histogram import BucketCounts
 
 if TYPE_CHECKING:
@@ -74,6 +81,27 @@ def counter_families(
             "rollout_selected_group_staleness",
             METRICS["rollout_selected_group_staleness"],
             (Sample({}, staleness),),
+        )
+    )
+    out.append(labelled("rollout_tool_failures_total", "tool_failures"))
+    base_turns = base.trajectory_turns if base is not None else {}
+    turns = BucketCounts.of_values(
+        {k: v - base_turns.get(k, 0) for k, v in src.trajectory_turns.items()}, TURN_BUCKETS
+    )
+    out.append(
+        Family(
+            "rollout_trajectory_turns", METRICS["rollout_trajectory_turns"], (Sample({}, turns),)
+        )
+    )
+    base_tool = base.tool_seconds if base is not None else {}
+    tool = {k: v - base_tool.get(k, 0) for k, v in src.tool_seconds.items()}
+    counts = tuple(tool.get(i, 0) for i in range(len(TOOL_SECONDS_BUCKETS) + 1))
+    seconds = BucketCounts(TOOL_SECONDS_BUCKETS, counts, tool.get(-1, 0) / 1e6, sum(counts))
+    out.append(
+        Family(
+            "rollout_tool_call_seconds",
+            METRICS["rollout_tool_call_seconds"],
+            (Sample({}, seconds),),
         )
     )
     return out

@@ -62,8 +62,24 @@ from ..domain.events import (
     WeightsPublished,
 )
 from ..domain.state import Phase, RunState, SiblingStatus
+from ..domain.trajectory import (
+    ToolCallCompleted,
+    ToolCallFailed,
+    ToolCallRequested,
+    TrajectoryCompleted,
+)
 from ..rollout_index import IndexedEvent
-from .catalog import DROP_OUTCOMES, EVENT_TYPES, HISTORY_GAUGES, OTHER_ENGINE, PLAIN_COUNTERS
+from .catalog import (
+    DROP_OUTCOMES,
+    EVENT_TYPES,
+    HISTORY_GAUGES,
+    MAX_TOOL_LABELS,
+    OTHER_ENGINE,
+    OTHER_TOOL,
+    PLAIN_COUNTERS,
+    TOOL_FAILURE_OUTCOMES,
+    TOOL_SECONDS_BUCKETS,
+)
 from .exposition import Family, projection_families, projection_values
 
 log = logging.getLogger(__name__)
@@ -166,6 +182,15 @@ class _CounterContainers:
         #: The exact staleness distribution of the selected groups (staleness -> groups):
         #: the staleness histogram's buckets are derived from it when read.
         self.staleness_values: dict[int, int] = {}
+        #: The exact distribution of turns per completed trajectory (turns -> trajectories).
+        self.trajectory_turns: dict[int, int] = {}
+        #: Tool call seconds as bucket counts: key i is bucket i of
+        #: ``TOOL_SECONDS_BUCKETS`` (``len`` of it: +Inf), key -1 the sum in microseconds.
+        self.tool_seconds: dict[int, int] = {}
+        #: Failed tool calls by (tool label, outcome).
+        self.tool_failures: dict[tuple[str, str], int] = {
+            (OTHER_TOOL, o): 0 for o in TOOL_FAILURE_OUTCOMES
+        }
 
 
 class WorkTotals(_CounterContainers):
@@ -213,6 +238,9 @@ _COUNTER_FIELDS = (
     "engine_completed",
     "engine_lost",
     "staleness_values",
+    "trajectory_turns",
+    "tool_seconds",
+    "tool_failures",
 )
 
 
@@ -230,6 +258,8 @@ def _counters_from_snapshot(dst: _CounterContainers, data: Mapping[str, Any]) ->
     (keys a snapshot lacks, e.g. event types added since it was written, stay at 0; the
     staleness histogram of older snapshots is derived from ``staleness_values`` again)."""
     for name in _COUNTER_FIELDS:
+        if name not in data:  # a snapshot older than the counter (multi-turn ones)
+            continue
         values = {tuple(k) if isinstance(k, list) else k: int(v) for k, v in data[name]}
         setattr(dst, name, {**getattr(dst, name), **values})
 
@@ -257,6 +287,10 @@ class MetricsProjection(_CounterContainers):
             TelemetryConfig().max_engine_labels if max_engine_labels is None else max_engine_labels
         )
         self._engine_labels: set[str] = set()
+        self._tool_labels: set[str] = set()
+        #: The tool of each call requested and not answered yet (a failure names its
+        #: call by idempotency key only).
+        self._open_tools: dict[str, str] = {}
         self.offset = 0
         self.applied_segments: list[tuple[int, int]] = []
         self.epoch = 0
@@ -383,6 +417,8 @@ class MetricsProjection(_CounterContainers):
         for name in _COUNTER_FIELDS:
             setattr(other, name, dict(getattr(self, name)))
         other._engine_labels = set(self._engine_labels)
+        other._tool_labels = set(self._tool_labels)
+        other._open_tools = dict(self._open_tools)
         other.steps = list(self.steps)
         other.restores = list(self.restores)
         other.state = self.state.copy() if state and self.state is not None else None
@@ -422,6 +458,8 @@ class MetricsProjection(_CounterContainers):
             ),
             "max_engine_labels": self.max_engine_labels,
             "engine_labels": sorted(self._engine_labels),
+            "tool_labels": sorted(self._tool_labels),
+            "open_tools": sorted(self._open_tools.items()),
             "applied_segments": [list(s) for s in self.applied_segments],
             "domain_errors": self.domain_errors,
             "last_domain_error": self.last_domain_error,
@@ -457,6 +495,8 @@ class MetricsProjection(_CounterContainers):
         ckpt = data["last_checkpoint"]
         proj.last_checkpoint = None if ckpt is None else (ckpt[0], datetime.fromisoformat(ckpt[1]))
         proj._engine_labels = set(data["engine_labels"])
+        proj._tool_labels = set(data.get("tool_labels", ()))
+        proj._open_tools = dict(data.get("open_tools", ()))
         proj.applied_segments = [(a, b) for a, b in data["applied_segments"]]
         proj.domain_errors = data["domain_errors"]
         proj.last_domain_error = data["last_domain_error"]
@@ -494,7 +534,39 @@ class MetricsProjection(_CounterContainers):
             return engine_id
         return OTHER_ENGINE
 
+    def _tool_label(self, tool: str) -> str:
+        """``tool``, or ``other`` once :data:`MAX_TOOL_LABELS` tools have a label."""
+        if tool in self._tool_labels:
+            return tool
+        if len(self._tool_labels) < MAX_TOOL_LABELS and tool != OTHER_TOOL:
+            self._tool_labels.add(tool)
+            return tool
+        return OTHER_TOOL
+
     # ------------------------------------------------------------------ handlers
+    def _tool_requested(self, _o: int, _m: EventMeta, ev: ToolCallRequested) -> None:
+        label = self._tool_label(ev.tool)
+        self._open_tools[ev.idempotency_key] = label
+        for outcome in TOOL_FAILURE_OUTCOMES:  # exported at 0 from the first request
+            self._add("tool_failures", (label, outcome), 0)
+
+    def _tool_answered(
+        self, _o: int, _m: EventMeta, ev: ToolCallCompleted | ToolCallFailed
+    ) -> None:
+        label = self._open_tools.pop(ev.idempotency_key, OTHER_TOOL)
+        seconds = max(0.0, ev.seconds)
+        index = next(
+            (i for i, b in enumerate(TOOL_SECONDS_BUCKETS) if seconds <= b),
+            len(TOOL_SECONDS_BUCKETS),
+        )
+        self._add("tool_seconds", index)
+        self._add("tool_seconds", -1, round(seconds * 1_000_000))
+        if isinstance(ev, ToolCallFailed):
+            self._add("tool_failures", (label, ev.outcome))
+
+    def _trajectory_completed(self, _o: int, _m: EventMeta, ev: TrajectoryCompleted) -> None:
+        self._add("trajectory_turns", ev.turns)
+
     # Each runs before the event is applied to the domain state (see :meth:`apply`); the
     # group lifecycle itself is the domain's ``evolve``, never re-implemented here.
     def _engine_lost(self, _o: int, _m: EventMeta, ev: EngineLost) -> None:
@@ -814,6 +886,10 @@ _HANDLERS: dict[type, _Handler] = {
     RunResumed: MetricsProjection._run_resumed,
     EngineJoined: MetricsProjection._noop,
     EngineLost: MetricsProjection._engine_lost,
+    ToolCallRequested: MetricsProjection._tool_requested,
+    ToolCallCompleted: MetricsProjection._tool_answered,
+    ToolCallFailed: MetricsProjection._tool_answered,
+    TrajectoryCompleted: MetricsProjection._trajectory_completed,
     EngineRefit: MetricsProjection._noop,
 }
 

@@ -25,6 +25,7 @@ from rolloutlog.eventstore import EventStoreProtocol
 from rolloutlog.eventstore.errors import RolloutlogError
 
 from ..domain.events import CODEC, GroupSelected, RunRestored, RunResumed, SiblingCompleted
+from ..domain.trajectory import TURN_EVENT_TYPES, TrajectoryBook, evolve_trajectory
 from .ranges import project_history
 
 
@@ -61,6 +62,38 @@ class ReportData:
     history: list[tuple[int, int]]
     staleness_by_step: dict[int, Counter[int]]  # history: step -> staleness -> groups
     tokens_by_second: list[tuple[float, int]] = field(default_factory=list)  # work done
+    #: Multi-turn runs: one row per trajectory (the fold of every stored turn event, all
+    #: epochs: a restore reuses turns an abandoned branch recorded); empty otherwise.
+    trajectories: list[dict[str, Any]] = field(default_factory=list)
+
+
+#: Trajectories listed in the report's turns table (the rest are counted, not listed).
+MAX_TRAJECTORY_ROWS = 200
+
+
+def _trajectory_rows(book: TrajectoryBook) -> list[dict[str, Any]]:
+    """The report's row of each trajectory of ``book``, by group and sibling."""
+    rows = []
+    for (group, sibling), t in sorted(book.items()):
+        mask = t.loss_mask()
+        versions = sorted({s.weight_version for s in t.segments if s.weight_version is not None})
+        rows.append(
+            {
+                "group_id": group,
+                "sibling": sibling,
+                "prompt_index": t.prompt[1],
+                "turns": t.turns,
+                "tool_calls": len(t.tool_calls),
+                "tool_failures": sum(c.status == "failed" for c in t.tool_calls),
+                "resumes": t.resumes,
+                "model_tokens": sum(mask),
+                "other_tokens": len(mask) - sum(mask),
+                "weight_versions": versions,
+                "completed": t.completed,
+                "final_reward": t.final_reward,
+            }
+        )
+    return rows
 
 
 def collect(store: EventStoreProtocol, run_id: str) -> ReportData:
@@ -74,6 +107,7 @@ def collect(store: EventStoreProtocol, run_id: str) -> ReportData:
     epochs: dict[int, EpochSpan] = {}
     staleness: dict[int, Counter[int]] = defaultdict(Counter)
     tokens: list[tuple[datetime, int]] = []
+    book: TrajectoryBook = {}
     for row in store.read(run_id, 1):
         span = epochs.get(row.epoch)
         if span is None:
@@ -94,6 +128,8 @@ def collect(store: EventStoreProtocol, run_id: str) -> ReportData:
             ev = CODEC.decode(row)
             assert isinstance(ev, GroupSelected)
             staleness[ev.train_step][ev.staleness] += 1
+        elif row.type in TURN_EVENT_TYPES:
+            evolve_trajectory(book, CODEC.decode(row), row.epoch)  # type: ignore[arg-type]
         elif row.type == SiblingCompleted.event_type:
             ev = CODEC.decode(row)
             assert isinstance(ev, SiblingCompleted)
@@ -108,6 +144,7 @@ def collect(store: EventStoreProtocol, run_id: str) -> ReportData:
         history,
         dict(staleness),
         _per_second(tokens, values["started_at"]),
+        _trajectory_rows(book),
     )
 
 
@@ -279,7 +316,56 @@ def _figures(data: ReportData) -> list[tuple[str, str, Any]]:
         )
     )
     figs.append(("restores", "What each restore reused, salvaged and re-ran", table))
+    if data.trajectories:
+        figs.extend(_turn_figures(go, data.trajectories))
     return figs
+
+
+def _turn_figures(go: Any, trajectories: list[dict[str, Any]]) -> list[tuple[str, str, Any]]:
+    """A multi-turn run's turns view: turns per trajectory, and a table of trajectories."""
+    per_turns = Counter(t["turns"] for t in trajectories)
+    done = Counter(t["turns"] for t in trajectories if t["completed"])
+    xs = sorted(per_turns)
+    hist = go.Figure()
+    hist.add_trace(go.Bar(x=xs, y=[done[x] for x in xs], name="completed"))
+    hist.add_trace(go.Bar(x=xs, y=[per_turns[x] - done[x] for x in xs], name="not completed"))
+    hist.update_layout(
+        barmode="stack", xaxis_title="turns (model calls)", yaxis_title="trajectories"
+    )
+    header = ["group", "sibling", "prompt", "turns", "tool calls", "failed", "resumes",
+              "model tokens", "other tokens", "weight versions", "reward"]  # fmt: skip
+    shown = trajectories[:MAX_TRAJECTORY_ROWS]
+    rows = [
+        [
+            t["group_id"],
+            t["sibling"],
+            t["prompt_index"],
+            t["turns"],
+            t["tool_calls"],
+            t["tool_failures"],
+            t["resumes"],
+            t["model_tokens"],
+            t["other_tokens"],
+            ", ".join(map(str, t["weight_versions"])),
+            ("-" if t["final_reward"] is None else f"{t['final_reward']:.3g}")
+            if t["completed"]
+            else "not completed",
+        ]
+        for t in shown
+    ]
+    table = go.Figure(
+        go.Table(
+            header={"values": header},
+            cells={"values": [list(col) for col in zip(*rows, strict=True)]},
+        )
+    )
+    title = "Trajectories turn by turn (every epoch: restores reuse recorded turns)"
+    if len(trajectories) > len(shown):
+        title += f": the first {len(shown)} of {len(trajectories)}"
+    return [
+        ("turns", "Turns per trajectory (multi-turn)", hist),
+        ("trajectories", title, table),
+    ]
 
 
 _RENDER_CHECK = """

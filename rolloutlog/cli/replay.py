@@ -16,12 +16,19 @@ from rolloutlog.eventstore import StoreError
 from ._options import flag, json_option, optional_int, run_option
 from .common import open_store, pick_run
 
+_TARGETS = "group:ID or prompt:INDEX (or trajectory:GROUP[/SIBLING])"
 
-def _target(spec: str) -> tuple[str, int]:
+
+def _target(spec: str) -> tuple[str, int, int | None]:
+    """``(kind, id, sibling)`` of an ``--explain`` target (sibling: trajectories only)."""
     kind, _, value = spec.partition(":")
-    if kind not in ("group", "prompt") or not value.isdigit():
-        raise click.BadParameter(f"{spec!r}: use group:ID or prompt:INDEX", param_hint="--explain")
-    return kind, int(value)
+    group, slash, sib = value.partition("/")
+    ok = kind in ("group", "prompt", "trajectory") and group.isdigit()
+    if slash and (kind != "trajectory" or not sib.isdigit()):
+        ok = False
+    if not ok:
+        raise click.BadParameter(f"{spec!r}: use {_TARGETS}", param_hint="--explain")
+    return kind, int(group), int(sib) if slash else None
 
 
 def _outcome(run_id: str, result: Any, *fields: str) -> tuple[dict[str, Any], bool]:
@@ -48,8 +55,9 @@ def _outcome(run_id: str, result: Any, *fields: str) -> tuple[dict[str, Any], bo
     "--explain",
     "explain_spec",
     default=None,
-    metavar="group:ID|prompt:IDX",
-    help="The full history of one group or prompt.",
+    metavar="group:ID|prompt:IDX|trajectory:G[/S]",
+    help="The full history of one group or prompt; or a multi-turn group's trajectories "
+    "(or sibling S's) turn by turn.",
 )
 @flag("--verify-decisions", "Re-run every recorded decision and report the first that differs.")
 @json_option("Machine-readable output.")
@@ -82,13 +90,22 @@ def replay(
         elif diff is not None:
             out = rt.diff_states(rt.state_at(store, rid, diff[0]), rt.state_at(store, rid, diff[1]))
         elif explain_spec is not None:
-            kind, value = _target(explain_spec)
-            events = (
-                rt.explain(store, rid, group_id=value)
-                if kind == "group"
-                else rt.explain(store, rid, prompt=value)
-            )
-            out = {"run_id": rid, "target": explain_spec, "events": events}
+            kind, value, sibling = _target(explain_spec)
+            if kind == "trajectory":
+                found = rt.explain_trajectory(store, rid, value, sibling)
+                if not found:
+                    raise click.ClickException(
+                        f"no trajectory of {explain_spec} in run {rid} "
+                        "(no multi-turn events recorded for it)"
+                    )
+                out = {"run_id": rid, "target": explain_spec, "trajectories": found}
+            else:
+                events = (
+                    rt.explain(store, rid, group_id=value)
+                    if kind == "group"
+                    else rt.explain(store, rid, prompt=value)
+                )
+                out = {"run_id": rid, "target": explain_spec, "events": events}
         elif verify_decisions:
             v = rt.verify_decisions(store, rid, to_seq)
             out, failed = _outcome(rid, v, "decisions_verified", "decisions_skipped", "mismatch")
@@ -109,6 +126,9 @@ def replay(
 def _render(console: Console, out: dict[str, Any]) -> None:
     if "events" in out:
         _render_explain(console, out)
+        return
+    if "trajectories" in out:
+        _render_trajectories(console, out)
         return
     if "violation" in out:
         v = out["violation"]
@@ -174,6 +194,81 @@ def _render_explain(console: Console, out: dict[str, Any]) -> None:
         if fields:
             details = Text("  ".join(f"{k}={_short(v)}" for k, v in fields.items()), style="dim")
             console.print(Padding(details, (0, 0, 0, 9)), overflow="fold")
+
+
+def _step_line(step: dict[str, Any]) -> str:
+    """One step of a turn: what it appended or decided, in a few words."""
+    kind = step["kind"]
+    if kind == "start":
+        return f"start: {step.get('observation_tokens', 0)} observation tokens " + (
+            f"{_short(step['observation'])!r}" if "observation" in step else ""
+        )
+    if kind == "model_call":
+        engine = f" on {step['engine_id']}" if "engine_id" in step else ""
+        return (
+            f"model call: {step['output_tokens']} tokens from {step['context_tokens']}, "
+            f"weights v{step['weight_version']}{engine} ({step['finish_reason']})"
+        )
+    if kind == "tool_request":
+        args = json.dumps(step.get("arguments"), sort_keys=True)
+        return f"tool call {step['tool']} {_short(args)} [{step['idempotency_key']}]"
+    if kind == "tool_result":
+        return (
+            f"tool result {_short(step['result'])!r} in {step['seconds']:.3g} s "
+            f"({step['source']}, {step['observation_tokens']} tokens)"
+        )
+    if kind == "tool_failure":
+        return f"tool failed ({step['outcome']}): {_short(step['reason'])}"
+    if kind == "environment_step":
+        return (
+            f"environment: {_short(step.get('observation'))!r} reward {step.get('reward')} "
+            f"done {step['done']}"
+        )
+    if kind == "resumed":
+        return (
+            f"resumed from epoch {step['from_epoch']} attempt {step['from_attempt']}: "
+            f"{step['model_calls_reused']} model calls and {step['tool_results_reused']} "
+            f"tool results reused, {step['tool_calls_open']} calls open"
+        )
+    if kind == "late_refused":
+        return f"late {step['kind']} refused (live attempt {step['current_attempt']})"
+    return (
+        f"completed ({step['finish']}): reward {step.get('final_reward')}, "
+        f"{step['model_tokens']} model tokens"
+    )
+
+
+def _render_trajectories(console: Console, out: dict[str, Any]) -> None:
+    """Each trajectory: a summary line, then its turns, each step on one line with its
+    offset, epoch and attempt (abandoned steps marked)."""
+    console.print(
+        f"[bold]trajectories of {out['target']} in run {out['run_id']}[/bold]", highlight=False
+    )
+    for t in out["trajectories"]:
+        end = f"completed, reward {t['final_reward']}" if t["completed"] else "not completed"
+        console.print(
+            f"[bold]group {t['group_id']} sibling {t['sibling']}[/bold] (offset "
+            f"{t['trajectory_offset']}): prompt {t['prompt_index']} pass {t['data_pass']}, "
+            f"{t['model_calls']} turns, {t['tool_calls']} tool calls "
+            f"({t['tool_failures']} failed, {t['tool_calls_open']} open), "
+            f"{t['resumes']} resumes, {t['model_tokens']} model / "
+            f"{t['observation_tokens']} other tokens, weights "
+            f"{', '.join(f'v{v}' for v in t['weight_versions'])}, {end}",
+            highlight=False,
+        )
+        for turn in t["turns"]:
+            label = {-1: "start", None: turn["steps"][0]["kind"]}.get(
+                turn["turn"], f"turn {turn['turn']}"
+            )
+            console.print(f"  [cyan]{label}[/cyan]", highlight=False)
+            for step in turn["steps"]:
+                line = Text(
+                    f"    {step['offset']:>7}  e{step['epoch']} a{step['attempt']}  "
+                    f"{_step_line(step)}"
+                )
+                if not step["in_history"]:
+                    line.append("  abandoned", style="red")
+                console.print(line, highlight=False, overflow="fold")
 
 
 def _short(value: Any) -> str:

@@ -27,20 +27,18 @@ if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
 from audit_helpers import BuiltRun, build_audit_run, drop_role  # noqa: E402
+from mt_audit_helpers import BuiltMtRun, build_mt_run  # noqa: E402
 
 
-@pytest.fixture(
-    scope="session", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
-)
-def audit_url(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+def _database(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, prefix: str
 ) -> Iterator[str]:
-    """A database for the session's scripted run: a SQLite file, or a PostgreSQL database."""
+    """A SQLite file, or a PostgreSQL database of its own (dropped afterwards)."""
     if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path_factory.mktemp('audit') / 'log.db'}"
+        yield f"sqlite:///{tmp_path_factory.mktemp(prefix) / 'log.db'}"
         return
     server = request.getfixturevalue("pg_server_url")
-    name = f"rolloutlog_audit_{uuid.uuid4().hex[:10]}"
+    name = f"rolloutlog_{prefix}_{uuid.uuid4().hex[:10]}"
     admin = sa.create_engine(server, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
@@ -50,6 +48,26 @@ def audit_url(
         with admin.connect() as conn:
             conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         admin.dispose()
+
+
+_DIALECTS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+
+
+@pytest.fixture(scope="session", params=_DIALECTS)
+def audit_url(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """A database for the session's scripted run: a SQLite file, or a PostgreSQL database."""
+    yield from _database(request, tmp_path_factory, "audit")
+
+
+@pytest.fixture(scope="session", params=_DIALECTS)
+def mt_url(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """A database for the session's multi-turn run (apart from the scripted run: some
+    audit tests count every row of a view)."""
+    yield from _database(request, tmp_path_factory, "mt")
 
 
 @pytest.fixture(scope="session")
@@ -69,6 +87,21 @@ def audit_run(audit_url: str) -> Iterator[BuiltRun]:
             segments=store.history_segments(run.run_id),
             audit=SqlAudit(audit_url, allow_privileged_role=True),
         )
+    finally:
+        store.close()
+    try:
+        yield built
+    finally:
+        built.audit.close()
+
+
+@pytest.fixture(scope="session")
+def mt_run(mt_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BuiltMtRun]:
+    """A real multi-turn run (a restore, resumed trajectories, a tool failure), in a
+    database of its own (some audit tests count every row of a view)."""
+    store = EventStore.open(mt_url)
+    try:
+        built = build_mt_run(store, mt_url, tmp_path_factory.mktemp("mt") / "ledger.tsv")
     finally:
         store.close()
     try:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from audit_helpers import BuiltRun
+from mt_audit_helpers import FAILING, BuiltMtRun
 
 from rolloutlog.controller.sql_audit import VIEWS, param_names
 
@@ -248,6 +249,113 @@ def check_in_flight_on_lost_engine(b: BuiltRun) -> None:
     assert run(b, "in-flight-on-lost-engine", engine_id="e0") == []  # no engine was lost
 
 
+# ---------------------------------------------------------------- multi-turn recipes
+
+
+def run_mt(b: BuiltMtRun, name: str, **params: Any) -> list[dict[str, Any]]:
+    sql = recipes()[name]
+    bound = {"run_id": b.run_id, **params}
+    return b.audit.select(sql, {k: bound[k] for k in param_names(sql)}, limit=None).rows
+
+
+def _requests_by_prompt(b: BuiltMtRun) -> dict[int, list[tuple[int, int, int, str, str]]]:
+    """prompt -> (group, sibling, seq, tool, key) of its tool requests: each request is
+    its sibling's trajectory in effect at its offset (the newest start before it)."""
+    current: dict[tuple[int, int], int] = {}
+    out: dict[int, list[tuple[int, int, int, str, str]]] = defaultdict(list)
+    for seq, _, e in b.turn_events:
+        key = (e.group_id, e.sibling)
+        if e.event_type == "TrajectoryStarted":
+            current[key] = e.prompt_index  # type: ignore[attr-defined]
+        elif e.event_type == "ToolCallRequested":
+            out[current[key]].append(
+                (e.group_id, e.sibling, seq, e.tool, e.idempotency_key)  # type: ignore[attr-defined]
+            )
+    return {p: sorted(v) for p, v in out.items()}
+
+
+def check_tool_calls_of_prompt(b: BuiltMtRun) -> None:
+    requests = _requests_by_prompt(b)
+    results = {
+        e.idempotency_key: e  # type: ignore[attr-defined]
+        for _, _, e in b.turn_events
+        if e.event_type in ("ToolCallCompleted", "ToolCallFailed")
+    }
+    seen_failure = seen_status_check = False
+    assert len(requests) > 4
+    for prompt, want in requests.items():
+        rows = run_mt(b, "tool-calls-of-prompt", prompt_index=prompt)
+        got = [(r["group_id"], r["sibling"], r["tool"]) for r in rows]
+        assert got == [(g, s, tool) for g, s, _, tool, _ in want], prompt
+        for row, (*_, key) in zip(rows, want, strict=True):
+            res = results.get(key)
+            if res is None:
+                assert (row["status"], row["result"]) == ("open", None), key
+            elif res.event_type == "ToolCallCompleted":
+                assert row["status"] == "completed" and row["result"] == res.result  # type: ignore[attr-defined]
+                assert row["outcome"] == res.source  # type: ignore[attr-defined]
+                seen_status_check |= res.source == "status_check"  # type: ignore[attr-defined]
+            else:
+                assert row["status"] == "failed" and row["result"] == res.reason  # type: ignore[attr-defined]
+                assert row["outcome"] == "error" and row["tool"] == "add"
+                assert json.loads(row["arguments"]) == dict(zip("ab", FAILING, strict=True))
+                seen_failure = True
+    assert seen_failure, "the run holds a failed tool call"
+    # Each completed call of the side-effecting tool ran exactly once (its ledger).
+    ran = Counter(k for k, _ in b.ledger)
+    assert ran and max(ran.values()) == 1
+    del seen_status_check  # present only when the restore cut a call mid-way
+    assert run_mt(b, "tool-calls-of-prompt", prompt_index=10_000) == []
+
+
+def check_turns_regenerated_after_restore(b: BuiltMtRun) -> None:
+    rows = run_mt(b, "turns-regenerated-after-restore")
+    want_calls = Counter(
+        (epoch, e.attempt) for _, epoch, e in b.turn_events if e.event_type == "ModelCallCompleted"
+    )
+    want_resumed = Counter(
+        (epoch, e.attempt) for _, epoch, e in b.turn_events if e.event_type == "TrajectoryResumed"
+    )
+    keys = set(want_calls) | set(want_resumed)
+    assert pairs(rows, "epoch", "attempt") == sorted(keys)
+    for r in rows:
+        key = (r["epoch"], r["attempt"])
+        assert r["model_calls"] == want_calls[key], key
+        assert r["trajectories_resumed"] == want_resumed[key], key
+        assert r["turns_regenerated"] == 0, key
+    # The restore's epoch resumed trajectories (turns reused, not regenerated).
+    assert sum(r["trajectories_resumed"] for r in rows if r["epoch"] == b.restore_epoch) > 0
+
+
+def check_tokens_per_weight_version(b: BuiltMtRun) -> None:
+    completed = {
+        (e.group_id, e.sibling): e.payload_id  # type: ignore[attr-defined]
+        for _, _, e in b.turn_events
+        if e.event_type == "TrajectoryCompleted"
+    }
+    assert completed
+    for (group, sibling), pid in completed.items():
+        arrays = b.token_payloads[pid]
+        want = Counter(
+            v for v, m in zip(arrays["weight_versions"], arrays["loss_mask"], strict=True) if m
+        )
+        rows = run_mt(b, "tokens-per-weight-version", group_id=group, sibling=sibling)
+        assert {r["weight_version"]: r["tokens"] for r in rows} == dict(want), (group, sibling)
+        assert sum(r["model_calls"] for r in rows) == sum(
+            1
+            for _, _, e in b.turn_events
+            if e.event_type == "ModelCallCompleted" and (e.group_id, e.sibling) == (group, sibling)
+        )
+    assert run_mt(b, "tokens-per-weight-version", group_id=10_000, sibling=0) == []
+
+
+MT_CHECKS: dict[str, Callable[[BuiltMtRun], None]] = {
+    "tool-calls-of-prompt": check_tool_calls_of_prompt,
+    "turns-regenerated-after-restore": check_turns_regenerated_after_restore,
+    "tokens-per-weight-version": check_tokens_per_weight_version,
+}
+
+
 CHECKS: dict[str, Callable[[BuiltRun], None]] = {
     "step-of-prompt": check_step_of_prompt,
     "steps-of-all-prompts": check_steps_of_all_prompts,
@@ -278,18 +386,29 @@ REQUIRED = {
     "group-lifecycle",  # the lifecycle of group G
     "recoveries",  # what each restore recovered
     "events-per-type-per-epoch",
+    "tool-calls-of-prompt",  # which tool calls ran for prompt P, with what result
+    "turns-regenerated-after-restore",  # 0 on a correct run
+    "tokens-per-weight-version",  # in trajectory T
 }
 
 
 def test_every_recipe_has_a_check() -> None:
     names = set(recipes())
-    assert names == set(CHECKS), "each cookbook recipe needs a check here, and vice versa"
+    assert not set(CHECKS) & set(MT_CHECKS)
+    assert names == set(CHECKS) | set(MT_CHECKS), (
+        "each cookbook recipe needs a check here, and vice versa"
+    )
     assert names >= REQUIRED
 
 
 @pytest.mark.parametrize("name", sorted(CHECKS))
 def test_recipe(audit_run: BuiltRun, name: str) -> None:
     CHECKS[name](audit_run)
+
+
+@pytest.mark.parametrize("name", sorted(MT_CHECKS))
+def test_multi_turn_recipe(mt_run: BuiltMtRun, name: str) -> None:
+    MT_CHECKS[name](mt_run)
 
 
 def test_documented_columns_are_the_view_columns(audit_run: BuiltRun) -> None:
