@@ -21,6 +21,7 @@ from .errors import (
     UnsupportedTrlFeatureError,
     WorkerFailedError,
 )
+from .factory import STORE_FILE, bench_worker_factory, store_url
 from .prompts import TrlPrompts
 from .weights import NoOpWeightTransfer, RolloutlogWeightTransfer
 from .worker import RolloutlogWorker
@@ -34,10 +35,13 @@ __all__ = [
     "RolloutlogCheckpoint",
     "RolloutlogWeightTransfer",
     "RolloutlogWorker",
+    "STORE_FILE",
     "TrlConfigError",
     "TrlIntegrationError",
     "TrlPrompts",
     "UnsupportedTrlFeatureError",
     "WorkerFailedError",
+    "bench_worker_factory",
     "read_checkpoint",
+    "store_url",
 ]
