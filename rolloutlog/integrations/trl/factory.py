@@ -1,7 +1,7 @@
 """Worker factories: the rolloutlog worker built from a ``WorkerContext``.
 
 :func:`bench_worker_factory` is what ``rolloutlog bench trl`` measures against the
-in-memory worker, and what the CPU training harness (``tests/integrations/trl_cpu.py``)
+in-memory worker, and what the CPU training harness (``rolloutlog/integrations/trl/cpu.py``)
 and ``rolloutlog demo --trainer trl`` train TRL's real ``AsyncGRPOTrainer`` with.
 """
 

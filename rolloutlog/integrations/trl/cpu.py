@@ -1,20 +1,22 @@
-"""TRL's real ``AsyncGRPOTrainer`` on a CPU-only machine, for tests.
+"""TRL's real ``AsyncGRPOTrainer`` on a CPU-only machine: a reference kernel for demos and tests.
 
 TRL (1.16) loads the policy with ``attn_implementation="tree_fa3"``: a flash-attention-3
 varlen kernel fetched from the kernels hub (``trl/experimental/async_grpo/packing.py``),
-which neither runs on CPU nor can be downloaded here. This module provides, for tests
-only:
+which neither runs on CPU nor can be downloaded offline. This module is **opt-in**:
+importing it changes nothing; only :func:`apply_cpu_patches` (called by
+``rolloutlog demo --trainer trl`` and the training children of :func:`kill_and_resume`)
+or the ``trl_on_cpu`` test fixture (``tests/integrations/conftest.py``, undone after the
+test) install it. It is a slow per-segment reference on torch SDPA, for a tiny model on
+CPU, never for real training (use TRL's own kernel on a GPU). It provides:
 
 - :func:`varlen_attention` / :func:`cpu_tree_attention`: a reference implementation of
   the same packed ("tree") attention on torch SDPA, registered under TRL's name with
-  the other CPU fixes of :func:`cpu_patches`, applied by :func:`apply_cpu_patches`
-  (process-wide: child processes) or by the ``trl_on_cpu`` fixture of
-  ``tests/integrations/conftest.py`` (undone after the test);
+  the other CPU fixes of :func:`cpu_patches`;
 - :func:`cpu_config`: an ``AsyncGRPOConfig`` that trains on CPU (no bf16, explicit token
   budget so nothing asks a vLLM server, no reporting);
 - :func:`build_trainer` / :func:`run_training`: the real trainer with a rollout worker
-  built by a *worker factory* (the in-memory worker of :mod:`rolloutlog.bench.trl_bench`
-  now; rolloutlog's log-backed worker once it exists);
+  built by a *worker factory* (the in-memory worker of :mod:`rolloutlog.bench.trl_bench`,
+  or rolloutlog's :func:`~rolloutlog.integrations.trl.bench_worker_factory`);
 - :func:`kill_and_resume`: the SIGKILL harness: train in a child process (own process
   group, deadline), SIGKILL it after a checkpoint, resume with
   ``resume_from_checkpoint`` and return what both runs reported.
@@ -59,7 +61,8 @@ OFFLINE_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+#: The training child: ``python -m rolloutlog.integrations.trl.cpu SPEC.json``.
+CHILD_MODULE = "rolloutlog.integrations.trl.cpu"
 
 
 # --------------------------------------------------------------------------- attention
@@ -432,6 +435,14 @@ class HarnessError(RuntimeError):
     """A child training run failed, timed out or never reached its checkpoint."""
 
 
+def rolloutlog_checkpoint_complete(checkpoint: Path) -> bool:
+    """:func:`checkpoint_complete` and the rolloutlog worker's ``rolloutlog_state.json``
+    written (its callback's ``on_save`` runs after HF's ``_save_checkpoint``)."""
+    from .checkpoint import CHECKPOINT_FILE
+
+    return checkpoint_complete(checkpoint) and (checkpoint / CHECKPOINT_FILE).is_file()
+
+
 def checkpoint_complete(checkpoint: Path) -> bool:
     """Whether HF's ``_save_checkpoint`` finished ``checkpoint`` (its ``trainer_state.json``
     is written last and names the checkpoint's step)."""
@@ -475,13 +486,15 @@ def _child(
     spec_path = log_path.with_suffix(".spec.json")
     spec_path.write_text(json.dumps(asdict(spec)))
     child_env = {**os.environ, **OFFLINE_ENV, **(env or {})}
+    # The caller's folder on the path: a worker factory may live in its modules.
+    cwd = os.getcwd()
     child_env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(REPO_ROOT), child_env.get("PYTHONPATH", "")) if p
+        p for p in (cwd, child_env.get("PYTHONPATH", "")) if p
     )
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), str(spec_path)],
-            cwd=str(REPO_ROOT),
+            [sys.executable, "-m", CHILD_MODULE, str(spec_path)],
+            cwd=cwd,
             env=child_env,
             stdout=log,
             stderr=subprocess.STDOUT,
