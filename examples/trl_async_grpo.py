@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 
 def answer_reward(completions: list[str], answer: list[str], **kwargs: object) -> list[float]:
@@ -59,6 +60,9 @@ def main() -> None:
         {"prompt": [f"q: {a}+{b}=? a:" for a, b in pairs], "answer": [str(a + b) for a, b in pairs]}
     )
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    on_cpu: dict[str, Any] = (
+        {"use_cpu": True, "bf16": False, "gradient_checkpointing": False} if args.cpu else {}
+    )
     config = AsyncGRPOConfig(
         output_dir=str(out),
         max_steps=args.max_steps,
@@ -69,9 +73,9 @@ def main() -> None:
         token_budget=0,  # fixed-count micro-batches (the worker needs them)
         weight_sync_steps=1,
         report_to="none",
-        **({"use_cpu": True, "bf16": False, "gradient_checkpointing": False} if args.cpu else {}),
+        **on_cpu,
     )
-    options = {"weight_shapes": None} if args.backend == "deterministic" else {}
+    options: dict[str, Any] = {"weight_shapes": None} if args.backend == "deterministic" else {}
     worker = RolloutlogWorker(
         store=args.db or store_url(out),
         train_dataset=dataset,
@@ -81,9 +85,8 @@ def main() -> None:
         args=config,
     )
     # The deterministic backend ignores weights; any other gets the trainer's each sync.
-    transfer = (
-        NoOpWeightTransfer() if args.backend == "deterministic" else RolloutlogWeightTransfer(worker)
-    )
+    deterministic = args.backend == "deterministic"
+    transfer = NoOpWeightTransfer() if deterministic else RolloutlogWeightTransfer(worker)
     trainer = AsyncGRPOTrainer(
         model=args.model_dir,
         reward_funcs=[answer_reward],

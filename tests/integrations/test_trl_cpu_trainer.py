@@ -19,7 +19,6 @@ import torch
 from safetensors.torch import load_file
 
 from rolloutlog.bench import trl_bench
-
 from rolloutlog.integrations.trl import cpu as trl_cpu
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("trl_on_cpu")]

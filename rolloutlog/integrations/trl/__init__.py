@@ -28,6 +28,7 @@ from .worker import RolloutlogWorker
 
 __all__ = [
     "CHECKPOINT_FILE",
+    "STORE_FILE",
     "CheckpointStateMissingError",
     "LogMismatchError",
     "NoOpWeightTransfer",
@@ -35,7 +36,6 @@ __all__ = [
     "RolloutlogCheckpoint",
     "RolloutlogWeightTransfer",
     "RolloutlogWorker",
-    "STORE_FILE",
     "TrlConfigError",
     "TrlIntegrationError",
     "TrlPrompts",

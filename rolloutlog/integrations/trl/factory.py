@@ -31,10 +31,10 @@ def bench_worker_factory(context: WorkerContext) -> WorkerParts:
     The log lives in ``context.output_dir`` (the trainer's ``output_dir``), so a resumed
     run in the same folder finds it; the callback restores the worker from
     ``checkpoint-N/rolloutlog_state.json`` when the trainer resumes. ``context.extra``
-    may set ``store`` (a log URL), ``lookahead``, ``passes`` and ``timeout_s``.
+    may set ``store`` (a log URL), ``lookahead``, ``passes``, ``timeout_s`` and
+    ``wait_for_publish`` (default ``False``: publishes run off the trainer's step).
     """
     from rolloutlog.bench.trl_bench import WorkerParts
-
     from rolloutlog.controller.backends import make_backend
 
     extra: dict[str, Any] = dict(context.extra)
@@ -60,6 +60,7 @@ def bench_worker_factory(context: WorkerContext) -> WorkerParts:
         lookahead=extra.get("lookahead"),
         passes=int(extra.get("passes", 1000)),
         timeout_s=float(extra.get("timeout_s", 120.0)),
+        wait_for_publish=bool(extra.get("wait_for_publish", False)),
     )
     # A backend that serves the policy (torch, vLLM) gets the trainer's weights at each
     # sync: RolloutlogWeightTransfer hands them to the worker, which loads them with the
