@@ -305,8 +305,9 @@ def import_factory(spec: str) -> Callable[..., Any]:
 
 
 class _ProgressCallback:
-    """Writes ``progress.json`` (the last optimizer step) atomically after every step,
-    and sleeps ``step_sleep_s`` (so that a parent can act between steps)."""
+    """Writes ``progress.json`` (the last optimizer step) atomically after every step
+    (once its logs are printed), and sleeps ``step_sleep_s`` (so that a parent can act
+    between steps)."""
 
     def __init__(self, path: Path, step_sleep_s: float) -> None:
         self.path = path
@@ -327,10 +328,23 @@ def _trainer_callback(progress: _ProgressCallback) -> Any:
     from transformers import TrainerCallback
 
     class ProgressCallback(TrainerCallback):  # type: ignore[misc]
-        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            progress.write(state.global_step)
-            if progress.step_sleep_s:
-                time.sleep(progress.step_sleep_s)
+        # A step is reported at the next step's begin (or the train's end), after the
+        # step's logs were printed (PrinterCallback runs after this callback), so that a
+        # parent killing on it finds TRL's metrics of every finished step in the log.
+        start = 0
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.start = state.global_step
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step > self.start:
+                progress.write(state.global_step)
+                if progress.step_sleep_s:
+                    time.sleep(progress.step_sleep_s)
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step > self.start:
+                progress.write(state.global_step)
 
     return ProgressCallback()
 
@@ -485,7 +499,8 @@ def _child(
     """Start ``spec`` as a child (own process group); kill the group on the way out."""
     spec_path = log_path.with_suffix(".spec.json")
     spec_path.write_text(json.dumps(asdict(spec)))
-    child_env = {**os.environ, **OFFLINE_ENV, **(env or {})}
+    # Unbuffered: what the child printed (TRL's per-step logs) survives its SIGKILL.
+    child_env = {**os.environ, **OFFLINE_ENV, "PYTHONUNBUFFERED": "1", **(env or {})}
     # The caller's folder on the path: a worker factory may live in its modules.
     cwd = os.getcwd()
     child_env["PYTHONPATH"] = os.pathsep.join(
