@@ -49,6 +49,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .errors import TrlIntegrationError
+
 #: TRL's name for its packed attention (``trl.experimental.async_grpo.packing.TREE_ATTENTION``).
 TREE_ATTENTION = "tree_fa3"
 
@@ -445,7 +447,7 @@ def run_training(spec: TrainRunSpec) -> dict[str, Any]:
 # --------------------------------------------------------------------------- SIGKILL harness
 
 
-class HarnessError(RuntimeError):
+class HarnessError(TrlIntegrationError):
     """A child training run failed, timed out or never reached its checkpoint."""
 
 
