@@ -436,6 +436,7 @@ class _TimedCallbacks:
     def __init__(self, callbacks: Sequence[Any]) -> None:
         self.callbacks = list(callbacks)
         self.seconds = 0.0
+        self.by_event: defaultdict[str, float] = defaultdict(float)
 
     def fire(self, event: str, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         for cb in self.callbacks:
@@ -444,7 +445,9 @@ class _TimedCallbacks:
                 continue
             t0 = time.perf_counter()
             result = method(args, state, control, **kwargs)
-            self.seconds += time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            self.seconds += took
+            self.by_event[event] += took
             if result is not None:
                 control = result
 
@@ -456,6 +459,7 @@ class RoundResult:
     seconds: float
     callback_s: float
     steps: int
+    callback_s_by_event: dict[str, float] = field(default_factory=dict)
 
     @property
     def samples_per_s(self) -> float:
@@ -514,6 +518,7 @@ def _measure_round(
         for step in range(steps + 1):
             if step == 1:
                 started, samples, callbacks.seconds = time.perf_counter(), 0, 0.0
+                callbacks.by_event.clear()
             callbacks.fire("on_step_begin", config, state, control, **kwargs)
             batch = next(batches)
             samples += int(batch["global_n_forward_tokens"][0] / batch["mean_seq_len"][0] + 0.5)
@@ -536,7 +541,7 @@ def _measure_round(
     dropped = len(metrics.get("sample/dropped_stale_total", []))
     if dropped:
         raise TrlBenchError(f"{name}: TRL dropped {dropped} stale samples during the round")
-    return RoundResult(name, samples, seconds, callbacks.seconds, steps)
+    return RoundResult(name, samples, seconds, callbacks.seconds, steps, dict(callbacks.by_event))
 
 
 def run_trl_benchmark(
@@ -613,6 +618,13 @@ def run_trl_benchmark(
     best_base = max(results["baseline"], key=lambda x: x.samples_per_s)
     best_test = max(results["under_test"], key=lambda x: x.samples_per_s)
     callback_ms = statistics.fmean(1000 * x.callback_s / x.steps for x in results["under_test"])
+    events = sorted({e for x in results["under_test"] for e in x.callback_s_by_event})
+    by_event = {
+        e: statistics.fmean(
+            1000 * x.callback_s_by_event.get(e, 0.0) / x.steps for x in results["under_test"]
+        )
+        for e in events
+    }
     return {
         "trl_version": trl.__version__,
         "worker_under_test": under_test_name,
@@ -626,6 +638,8 @@ def run_trl_benchmark(
         "samples_per_s_worker_under_test": best_test.samples_per_s,
         "samples_per_s_vs_in_memory_worker": best_test.samples_per_s / best_base.samples_per_s,
         "callback_ms_per_step": callback_ms,
+        #: The same time split by TrainerCallback event (on_save every ``save_steps``).
+        "callback_ms_per_step_by_event": by_event,
         "goals": dict(GOALS),
     }
 

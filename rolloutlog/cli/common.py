@@ -39,6 +39,7 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "torch": ("torch", "transformers", "tokenizers", "safetensors"),
     "vllm": ("vllm",),
     "bench": ("eventsourcing",),
+    "trl": ("trl", "datasets"),
 }
 
 

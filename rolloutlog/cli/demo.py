@@ -40,6 +40,13 @@ DEFAULT_DB = "sqlite:///runs/rolloutlog.db"
 @shown("--checkpoint-every", default=5, type=click.IntRange(1))
 @shown("--workdir", default="runs", type=click.Path(file_okay=False))
 @shown("--seed", default=0, type=click.IntRange(0))
+@shown(
+    "--trainer",
+    type=click.Choice(["rolloutlog", "trl"]),
+    default="rolloutlog",
+    help="Who trains: rolloutlog's own GRPO loop, or TRL's AsyncGRPOTrainer on CPU with "
+    "the rolloutlog rollout worker (deterministic backend; needs trl).",
+)
 @json_option("Print the summary as one JSON object (progress still goes to stderr).")
 def demo(
     db_url: str,
@@ -51,11 +58,15 @@ def demo(
     as_json: bool,
     engines: int,
     kill_engine: bool,
+    trainer: str = "rolloutlog",
 ) -> None:
     """A small GRPO run on a toy task with a tiny torch policy: checkpoints, a real
     SIGKILL of the worker, a resume from the last checkpoint offset, and a summary
     checked against the log (no prompt lost, none trained twice)."""
     require_extra("torch", "rolloutlog demo")
+    if trainer == "trl":
+        _trl_demo(db_url, steps, backend, checkpoint_every, workdir, seed, as_json)
+        return
     if backend in ("vllm", "vllm-fleet"):
         require_extra("vllm", f"rolloutlog demo --backend {backend}")
     from rolloutlog.grpo.demo import DemoError, run_demo
@@ -136,6 +147,54 @@ def demo(
         click.echo(json.dumps(summary))
     else:
         _print_summary(Console(), summary)
+    if not ok:
+        sys.exit(1)
+
+
+def _trl_demo(
+    db_url: str,
+    steps: int,
+    backend: str,
+    checkpoint_every: int,
+    workdir: str,
+    seed: int,
+    as_json: bool,
+) -> None:
+    """``rolloutlog demo --trainer trl`` (see rolloutlog.integrations.trl.demo)."""
+    ctx = click.get_current_context()
+    if ctx.get_parameter_source("backend") is not click.core.ParameterSource.DEFAULT and (
+        backend != "deterministic"
+    ):
+        raise click.ClickException(
+            f"rolloutlog demo --trainer trl runs the deterministic backend only, not {backend}"
+        )
+    require_extra("trl", "rolloutlog demo --trainer trl")
+    from rolloutlog.integrations.trl.demo import demo_ok, run_trl_demo
+
+    work = Path(workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    if db_url.startswith("sqlite:///"):
+        path = Path(db_url.removeprefix("sqlite:///")).resolve()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        db_url = f"sqlite:///{path}"
+    console = Console(stderr=True)
+    console.print(
+        f"TRL AsyncGRPOTrainer on CPU, {steps} steps, checkpoint every {checkpoint_every}: "
+        f"SIGKILL after step {checkpoint_every + 1}, then resume_from_checkpoint ..."
+    )
+    try:
+        summary = run_trl_demo(
+            workdir=work, db_url=db_url, steps=steps, checkpoint_every=checkpoint_every, seed=seed
+        )
+    except Exception as exc:
+        raise click.ClickException(f"the TRL demo failed: {str(exc).splitlines()[0]}") from exc
+    ok = demo_ok(summary)
+    summary["ok"] = ok
+    if as_json:
+        click.echo(json.dumps(summary))
+    else:
+        for key, value in summary.items():
+            click.echo(f"{key}: {value}")
     if not ok:
         sys.exit(1)
 

@@ -48,7 +48,7 @@ def trl_on_cpu(monkeypatch: pytest.MonkeyPatch, trl_installed: None) -> Iterator
     import huggingface_hub.constants as hub_constants
     from trl.experimental.async_grpo import packing
 
-    from . import trl_cpu
+    from rolloutlog.integrations.trl import cpu as trl_cpu
 
     for target, name, value in trl_cpu.cpu_patches():
         if isinstance(target, dict):

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from . import trl_cpu
+from rolloutlog.integrations.trl import cpu as trl_cpu
 
 pytestmark = pytest.mark.usefixtures("trl_on_cpu")
 

@@ -76,6 +76,9 @@ def test_callback_time_is_measured_per_step() -> None:
     ]
     assert [e for e in factory.events if e[0] == "save"] == [("save", 2), ("save", 4)]
     assert data["callback_ms_per_step"] >= 2.0
+    by_event = data["callback_ms_per_step_by_event"]
+    assert by_event["on_step_end"] >= 2.0
+    assert sum(by_event.values()) == pytest.approx(data["callback_ms_per_step"])
 
 
 def test_a_factory_that_builds_no_worker_is_refused() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from . import trl_cpu
+from rolloutlog.integrations.trl import cpu as trl_cpu
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("trl_installed")]
 

@@ -19,8 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from rolloutlog.bench import trl_bench
-
-from . import trl_cpu
+from rolloutlog.integrations.trl import cpu as trl_cpu
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("trl_on_cpu")]
 

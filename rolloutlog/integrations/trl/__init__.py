@@ -21,12 +21,14 @@ from .errors import (
     UnsupportedTrlFeatureError,
     WorkerFailedError,
 )
+from .factory import STORE_FILE, bench_worker_factory, store_url
 from .prompts import TrlPrompts
 from .weights import NoOpWeightTransfer, RolloutlogWeightTransfer
 from .worker import RolloutlogWorker
 
 __all__ = [
     "CHECKPOINT_FILE",
+    "STORE_FILE",
     "CheckpointStateMissingError",
     "LogMismatchError",
     "NoOpWeightTransfer",
@@ -39,5 +41,7 @@ __all__ = [
     "TrlPrompts",
     "UnsupportedTrlFeatureError",
     "WorkerFailedError",
+    "bench_worker_factory",
     "read_checkpoint",
+    "store_url",
 ]

@@ -20,9 +20,11 @@ fills them from rolloutlog's runtime, on a thread of its own running an asyncio 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import math
+import multiprocessing.queues
 import queue
 import threading
 import time
@@ -97,6 +99,12 @@ class RolloutlogWorker:
         timeout_s: the deadline of every wait on the worker's thread (start, commands, stop).
         policy: the trainer's model: with ``NoOpWeightTransfer``, each publish loads its
             parameters into the backend (the worker refits its engines itself).
+        wait_for_publish: ``update_model_version`` returns once the publish is recorded
+            and the backend serves the new weights (default). ``False``: it returns at once
+            (TRL's own worker only stores the number): the record and publish run on the
+            worker's loop, in order with the checkpoints, off the trainer's step (publishes
+            queued behind a slow one are coalesced into one of the newest version); a
+            failure surfaces at the next ``update_model_version``, ``check_health`` or save.
     """
 
     def __init__(
@@ -124,6 +132,7 @@ class RolloutlogWorker:
         queue_maxsize: int = 0,
         timeout_s: float = 120.0,
         policy: Any = None,
+        wait_for_publish: bool = True,
         tools: Sequence[Callable[..., Any]] | None = None,
         environment_factory: Any = None,
     ) -> None:
@@ -188,6 +197,7 @@ class RolloutlogWorker:
         )
         self.backend = backend
         self.policy = policy
+        self.wait_for_publish = wait_for_publish
         self.store_spec = store
         self.store_config = store_config
         self.generation = generation or GenerationConfig(
@@ -202,8 +212,13 @@ class RolloutlogWorker:
         self.timeout_s = timeout_s
         self.max_staleness = int(max_staleness)
         #: TRL's side: the trainer drains these.
-        self.rollout_buffer: queue.Queue[Any] = queue.Queue(maxsize=queue_maxsize)
-        self.metrics_queue: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=4096)
+        # Typed as TRL's RolloutWorkerProtocol declares them (thread queues here).
+        self.rollout_buffer: queue.Queue[Any] | multiprocessing.queues.Queue[Any] = queue.Queue(
+            maxsize=queue_maxsize
+        )
+        self.metrics_queue: queue.Queue[Any] | multiprocessing.queues.Queue[Any] = queue.Queue(
+            maxsize=4096
+        )
         from .callback import RolloutlogCallback
 
         #: Pass it in the trainer's ``callbacks``: it records trained steps and checkpoints.
@@ -221,10 +236,16 @@ class RolloutlogWorker:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._lock = threading.Lock()
+        # Commands on the loop (publish, checkpoint) run one at a time, in call order.
+        self._commands: asyncio.Lock | None = None
+        self._publishes: deque[concurrent.futures.Future[None]] = deque()
         # Versions: TRL's model_version = the log's weight version + offset.
         self._trl_version: int | None = None
         self._version_offset = 0
+        # The trainer's weights for TRL version ``_pending_for`` (the next one at receipt).
         self._pending_weights: list[tuple[str, Any]] | None = None
+        self._pending_for = 0
+        self._publish_queued = False
         # Hand-off
         self._next_step = 0
         self._handed: deque[_Handed] = deque()
@@ -265,6 +286,9 @@ class RolloutlogWorker:
         thread = self._thread
         if thread is None:
             return
+        # The publishes TRL asked for are recorded before the loop ends.
+        with contextlib.suppress(WorkerFailedError):
+            self._wait_publishes()
         self._stopping.set()
         loop = self._loop
         if loop is not None and self._wake is not None:
@@ -283,7 +307,49 @@ class RolloutlogWorker:
         self._trl_version = int(model_version)
         if self._loop is None or not self._ready.is_set() or self._error is not None:
             return
-        self._call(self._publish(int(model_version)))
+        self._raise_failed_publish()
+        if self.wait_for_publish:
+            self._call(self._serial(self._publish(int(model_version))))
+            return
+        if self.policy is not None:
+            with self._lock:
+                have = self._pending_weights is not None and self._pending_for == model_version
+            if not have:  # a snapshot now: the trainer changes the policy at its next step
+                self.receive_weights(self.policy.named_parameters())
+                with self._lock:
+                    self._pending_for = int(model_version)
+        loop, thread = self._loop, self._thread
+        if thread is None or not thread.is_alive():
+            raise WorkerFailedError("the rolloutlog worker is not running")
+        with self._lock:
+            if self._publish_queued:  # that publish, not started yet, takes this version
+                return
+            self._publish_queued = True
+        future = asyncio.run_coroutine_threadsafe(self._serial(self._publish(None)), loop)
+        with self._lock:
+            self._publishes.append(future)
+
+    def _raise_failed_publish(self) -> None:
+        """Forget the publishes that are done; raise if one failed."""
+        with self._lock:
+            while self._publishes and self._publishes[0].done():
+                future = self._publishes.popleft()
+                error = None if future.cancelled() else future.exception()
+                if error is not None:
+                    raise WorkerFailedError(
+                        f"the rolloutlog worker failed to publish weights: {error}"
+                    ) from error
+
+    def _wait_publishes(self) -> None:
+        """Wait (at most ``timeout_s`` each) for the publishes in flight; raise if one failed."""
+        with self._lock:
+            pending = list(self._publishes)
+        _done, not_done = concurrent.futures.wait(pending, self.timeout_s)
+        if not_done:
+            raise WorkerFailedError(
+                f"{len(not_done)} weight publish(es) did not finish within {self.timeout_s}s"
+            )
+        self._raise_failed_publish()
 
     def check_health(self, stale_after_s: float) -> None:
         """Raise if the worker failed, or cannot feed the trainer (named in the message)."""
@@ -291,6 +357,7 @@ class RolloutlogWorker:
             raise WorkerFailedError(
                 f"the rolloutlog worker stopped: {self._error}"
             ) from self._error
+        self._raise_failed_publish()
         if self._exhausted is not None and self.rollout_buffer.empty():
             raise WorkerFailedError(self._exhausted)
         thread = self._thread
@@ -343,17 +410,26 @@ class RolloutlogWorker:
     def receive_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         """Keep a CPU copy of the trainer's weights for the next publish (the weight
         transfer calls this; the next ``update_model_version`` loads them)."""
-        self._pending_weights = [(n, t.detach().to("cpu").clone()) for n, t in named_tensors]
+        weights = [(n, t.detach().to("cpu").clone()) for n, t in named_tensors]
+        with self._lock:
+            self._pending_weights = weights
+            self._pending_for = (self._trl_version or 0) + 1
 
-    def _take_weights(self) -> list[tuple[str, Any]]:
-        """What the next publish loads: weights a transfer handed over, else the
-        ``policy``'s parameters (the worker refits its engines itself), else a one-value
-        version marker (for a backend that ignores weights, like the deterministic one)."""
-        weights, self._pending_weights = self._pending_weights, None
+    def _take_weights(self, trl_version: int | None = None) -> list[tuple[str, Any]] | None:
+        """What a publish of ``trl_version`` loads (``None``: any, at start): the weights a
+        transfer (or ``policy``, copied at ``update_model_version``) handed over, else a
+        one-value version marker (for a backend that ignores weights, like the
+        deterministic one). ``None`` when newer weights than ``trl_version``'s arrived
+        already: that publish is skipped, the next one carries them."""
+        with self._lock:
+            weights, tag = self._pending_weights, self._pending_for
+            if weights is not None and trl_version is not None and tag > trl_version:
+                return None
+            self._pending_weights = None
         if weights:
             return weights
         if self.policy is not None:
-            return [(n, p.detach()) for n, p in self.policy.named_parameters()]
+            return [(n, p.detach().to("cpu").clone()) for n, p in self.policy.named_parameters()]
         import torch
 
         return [("rolloutlog.weight_version_marker", torch.zeros(1))]
@@ -400,6 +476,7 @@ class RolloutlogWorker:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
+        self._commands = asyncio.Lock()
         own_store = isinstance(self.store_spec, str)
         store = (
             EventStore.open(self.store_spec)
@@ -429,7 +506,9 @@ class RolloutlogWorker:
                     # The trainer's weights before the pump dispatches anything (a fresh
                     # backend serves version 0; a resume continues at the log's version).
                     await self.backend.start()
-                    await runtime.sync_weights(self._take_weights(), state.weight_version)
+                    weights = self._take_weights()
+                    assert weights is not None  # no version given: never skipped
+                    await runtime.sync_weights(weights, state.weight_version)
                     await runtime.start()
                     self._next_step = state.train_step
                     self._ready.set()
@@ -681,14 +760,23 @@ class RolloutlogWorker:
         if self._wake is not None:
             self._wake.set()
 
-    async def _publish(self, trl_version: int) -> None:
+    async def _publish(self, trl_version: int | None) -> None:
+        """Record the trained steps and publish ``trl_version`` (``None``: the newest TRL
+        announced, the publishes queued behind a slow one coalesced into one)."""
         controller, runtime = self.controller, self.runtime
         assert controller is not None and runtime is not None
+        if trl_version is None:
+            with self._lock:
+                self._publish_queued = False
+                trl_version = self._trl_version
+            assert trl_version is not None
         await self._record()  # no await inside before publish_weights stops dispatch
         state = controller.state
         version = min(trl_version - self._version_offset, state.weight_version)
-        weights = self._take_weights()
-        if version > state.published_version:
+        if version <= state.published_version:
+            return
+        weights = self._take_weights(trl_version)
+        if weights is not None:
             await runtime.publish_weights(weights, version)
 
     async def _checkpoint(self) -> tuple[int, int, int]:
@@ -700,8 +788,16 @@ class RolloutlogWorker:
         return offset, step, controller.state.weight_version
 
     def checkpoint(self) -> tuple[int, int, int]:
-        """Mark a checkpoint in the log (durable): ``(offset, train step, weight version)``."""
-        return self._call(self._checkpoint())
+        """Mark a checkpoint in the log (durable): ``(offset, train step, weight version)``,
+        after the publishes asked for before it."""
+        self._raise_failed_publish()
+        return self._call(self._serial(self._checkpoint()))
+
+    async def _serial(self, coro: Coroutine[Any, Any, T]) -> T:
+        """``coro`` once the commands before it have finished (FIFO)."""
+        assert self._commands is not None
+        async with self._commands:
+            return await coro
 
     def trained_groups(self) -> int:
         """Groups trained: those the log records (survives a resume) and those of the

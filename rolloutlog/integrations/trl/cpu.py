@@ -1,20 +1,22 @@
-"""TRL's real ``AsyncGRPOTrainer`` on a CPU-only machine, for tests.
+"""TRL's real ``AsyncGRPOTrainer`` on a CPU-only machine: a reference kernel for demos and tests.
 
 TRL (1.16) loads the policy with ``attn_implementation="tree_fa3"``: a flash-attention-3
 varlen kernel fetched from the kernels hub (``trl/experimental/async_grpo/packing.py``),
-which neither runs on CPU nor can be downloaded here. This module provides, for tests
-only:
+which neither runs on CPU nor can be downloaded offline. This module is **opt-in**:
+importing it changes nothing; only :func:`apply_cpu_patches` (called by
+``rolloutlog demo --trainer trl`` and the training children of :func:`kill_and_resume`)
+or the ``trl_on_cpu`` test fixture (``tests/integrations/conftest.py``, undone after the
+test) install it. It is a slow per-segment reference on torch SDPA, for a tiny model on
+CPU, never for real training (use TRL's own kernel on a GPU). It provides:
 
 - :func:`varlen_attention` / :func:`cpu_tree_attention`: a reference implementation of
   the same packed ("tree") attention on torch SDPA, registered under TRL's name with
-  the other CPU fixes of :func:`cpu_patches`, applied by :func:`apply_cpu_patches`
-  (process-wide: child processes) or by the ``trl_on_cpu`` fixture of
-  ``tests/integrations/conftest.py`` (undone after the test);
+  the other CPU fixes of :func:`cpu_patches`;
 - :func:`cpu_config`: an ``AsyncGRPOConfig`` that trains on CPU (no bf16, explicit token
   budget so nothing asks a vLLM server, no reporting);
 - :func:`build_trainer` / :func:`run_training`: the real trainer with a rollout worker
-  built by a *worker factory* (the in-memory worker of :mod:`rolloutlog.bench.trl_bench`
-  now; rolloutlog's log-backed worker once it exists);
+  built by a *worker factory* (the in-memory worker of :mod:`rolloutlog.bench.trl_bench`,
+  or rolloutlog's :func:`~rolloutlog.integrations.trl.bench_worker_factory`);
 - :func:`kill_and_resume`: the SIGKILL harness: train in a child process (own process
   group, deadline), SIGKILL it after a checkpoint, resume with
   ``resume_from_checkpoint`` and return what both runs reported.
@@ -47,6 +49,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .errors import TrlIntegrationError
+
 #: TRL's name for its packed attention (``trl.experimental.async_grpo.packing.TREE_ATTENTION``).
 TREE_ATTENTION = "tree_fa3"
 
@@ -59,7 +63,8 @@ OFFLINE_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+#: The training child: ``python -m rolloutlog.integrations.trl.cpu SPEC.json``.
+CHILD_MODULE = "rolloutlog.integrations.trl.cpu"
 
 
 # --------------------------------------------------------------------------- attention
@@ -302,8 +307,9 @@ def import_factory(spec: str) -> Callable[..., Any]:
 
 
 class _ProgressCallback:
-    """Writes ``progress.json`` (the last optimizer step) atomically after every step,
-    and sleeps ``step_sleep_s`` (so that a parent can act between steps)."""
+    """Writes ``progress.json`` (the last optimizer step) atomically after every step
+    (once its logs are printed), and sleeps ``step_sleep_s`` (so that a parent can act
+    between steps)."""
 
     def __init__(self, path: Path, step_sleep_s: float) -> None:
         self.path = path
@@ -324,10 +330,23 @@ def _trainer_callback(progress: _ProgressCallback) -> Any:
     from transformers import TrainerCallback
 
     class ProgressCallback(TrainerCallback):  # type: ignore[misc]
-        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            progress.write(state.global_step)
-            if progress.step_sleep_s:
-                time.sleep(progress.step_sleep_s)
+        # A step is reported at the next step's begin (or the train's end), after the
+        # step's logs were printed (PrinterCallback runs after this callback), so that a
+        # parent killing on it finds TRL's metrics of every finished step in the log.
+        start = 0
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.start = state.global_step
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step > self.start:
+                progress.write(state.global_step)
+                if progress.step_sleep_s:
+                    time.sleep(progress.step_sleep_s)
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step > self.start:
+                progress.write(state.global_step)
 
     return ProgressCallback()
 
@@ -428,8 +447,16 @@ def run_training(spec: TrainRunSpec) -> dict[str, Any]:
 # --------------------------------------------------------------------------- SIGKILL harness
 
 
-class HarnessError(RuntimeError):
+class HarnessError(TrlIntegrationError):
     """A child training run failed, timed out or never reached its checkpoint."""
+
+
+def rolloutlog_checkpoint_complete(checkpoint: Path) -> bool:
+    """:func:`checkpoint_complete` and the rolloutlog worker's ``rolloutlog_state.json``
+    written (its callback's ``on_save`` runs after HF's ``_save_checkpoint``)."""
+    from .checkpoint import CHECKPOINT_FILE
+
+    return checkpoint_complete(checkpoint) and (checkpoint / CHECKPOINT_FILE).is_file()
 
 
 def checkpoint_complete(checkpoint: Path) -> bool:
@@ -474,14 +501,17 @@ def _child(
     """Start ``spec`` as a child (own process group); kill the group on the way out."""
     spec_path = log_path.with_suffix(".spec.json")
     spec_path.write_text(json.dumps(asdict(spec)))
-    child_env = {**os.environ, **OFFLINE_ENV, **(env or {})}
+    # Unbuffered: what the child printed (TRL's per-step logs) survives its SIGKILL.
+    child_env = {**os.environ, **OFFLINE_ENV, "PYTHONUNBUFFERED": "1", **(env or {})}
+    # The caller's folder on the path: a worker factory may live in its modules.
+    cwd = os.getcwd()
     child_env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(REPO_ROOT), child_env.get("PYTHONPATH", "")) if p
+        p for p in (cwd, child_env.get("PYTHONPATH", "")) if p
     )
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), str(spec_path)],
-            cwd=str(REPO_ROOT),
+            [sys.executable, "-m", CHILD_MODULE, str(spec_path)],
+            cwd=cwd,
             env=child_env,
             stdout=log,
             stderr=subprocess.STDOUT,
