@@ -38,6 +38,15 @@ from rolloutlog.controller.domain.events import (
     SiblingDispatched,
 )
 from rolloutlog.controller.domain.invariants import find_violations
+from rolloutlog.controller.domain.trajectory import (
+    TURN_EVENT_TYPES,
+    ModelCallCompleted,
+    ToolCallCompleted,
+    ToolCallFailed,
+    TrajectoryCompleted,
+    TrajectoryResumed,
+    TrajectoryStarted,
+)
 from rolloutlog.controller.prompt_ledger import build_ledger, cross_check
 from rolloutlog.controller.rollout_controller import replay
 from rolloutlog.controller.rollout_index import read_indexed
@@ -373,6 +382,95 @@ def engine_summary(log: list[tuple[bool, RolloutEvent]]) -> dict[str, int]:
     }
 
 
+def _open_trajectory_recorded(url: str, run_id: str) -> bool:
+    """Whether the run's log holds a trajectory with a durable model call and no
+    completion yet (read-only): a crash now lands mid-conversation."""
+    try:
+        with EventStore.open(url, readonly=True) as store:
+            turns: set[tuple[int, int]] = set()
+            done: set[tuple[int, int]] = set()
+            for row in store.read(run_id):
+                if row.type == "ModelCallCompleted":
+                    ev = CODEC.decode(row)
+                    turns.add((ev.group_id, ev.sibling))  # type: ignore[attr-defined]
+                elif row.type == "TrajectoryCompleted":
+                    ev = CODEC.decode(row)
+                    done.add((ev.group_id, ev.sibling))  # type: ignore[attr-defined]
+            return bool(turns - done)
+    except Exception:  # busy: ask again at the next step
+        return False
+
+
+def multi_turn_summary(
+    store: EventStore, run_id: str, ledger_entries: list[tuple[str, str]]
+) -> dict[str, int]:
+    """What the crash and the restore did to the run's conversations, from the whole log
+    (every epoch, abandoned ranges included) and the calculator's own ledger of
+    executions (``key<TAB>result`` per run of the tool).
+
+    - ``trajectories_lost``: trajectories with a durable model call that never completed
+      and whose prompt is neither live at the end, nor dropped or evicted (recorded);
+    - ``model_calls_regenerated_after_restore``: model calls recorded again for a turn
+      that already had one (same group, sibling, prompt and turn);
+    - ``tool_calls_executed_twice``: idempotency keys the tool ran more than once (its
+      ledger), or with more than one result in the log;
+    - ``turns_salvaged``: recorded model calls a restore reused (``TrajectoryResumed``);
+    - ``tool_calls_status_checked``: open tool calls a restore resolved by the tool's
+      status check instead of a run.
+    """
+    state = replay(store, run_id).state
+    ledger = build_ledger(store, run_id)
+    prompt_of: dict[tuple[int, int], tuple[int, int]] = {}
+    calls: dict[tuple[int, int, int, int, int], int] = {}
+    results: dict[str, int] = {}
+    started: set[tuple[int, int, int, int]] = set()
+    with_turns: set[tuple[int, int, int, int]] = set()
+    completed: set[tuple[int, int, int, int]] = set()
+    salvaged = status_checked = 0
+    for row in store.read(run_id):
+        if row.type not in TURN_EVENT_TYPES:
+            continue
+        ev = CODEC.decode(row)
+        key = (ev.group_id, ev.sibling)  # type: ignore[attr-defined]
+        if isinstance(ev, TrajectoryStarted):
+            prompt_of[key] = (ev.data_pass, ev.prompt_index)
+            started.add((*key, *prompt_of[key]))
+            continue
+        prompt = prompt_of.get(key)
+        if prompt is None:
+            continue
+        traj = (*key, *prompt)
+        if isinstance(ev, ModelCallCompleted):
+            turn = (*traj, ev.turn)
+            calls[turn] = calls.get(turn, 0) + 1
+            with_turns.add(traj)
+        elif isinstance(ev, ToolCallCompleted | ToolCallFailed):
+            results[ev.idempotency_key] = results.get(ev.idempotency_key, 0) + 1
+            if isinstance(ev, ToolCallCompleted) and ev.source == "status_check":
+                status_checked += 1
+        elif isinstance(ev, TrajectoryCompleted):
+            completed.add(traj)
+        elif isinstance(ev, TrajectoryResumed):
+            salvaged += ev.model_calls_reused
+    live = {(g.data_pass, g.prompt_index) for g in state.groups.values()}
+    settled = live | ledger.dropped_keys | ledger.evicted_keys
+    lost = [t for t in with_turns - completed if (t[2], t[3]) not in settled]
+    runs: dict[str, int] = {}
+    for key, _result in ledger_entries:
+        runs[key] = runs.get(key, 0) + 1
+    twice = {k for k, n in runs.items() if n > 1} | {k for k, n in results.items() if n > 1}
+    return {
+        "trajectories": len(started),
+        "trajectories_lost": len(lost),
+        "model_calls": sum(calls.values()),
+        "model_calls_regenerated_after_restore": sum(n - 1 for n in calls.values()),
+        "tool_calls_executed": len(ledger_entries),
+        "tool_calls_executed_twice": len(twice),
+        "tool_calls_status_checked": status_checked,
+        "turns_salvaged": salvaged,
+    }
+
+
 def _whole_log(store: EventStore, run_id: str) -> list[tuple[bool, RolloutEvent]]:
     """Every event of the run (abandoned ranges included), each with whether it lies in
     the current history."""
@@ -424,6 +522,9 @@ def run_demo(
                 restarts.append(thread)
 
         def may_kill_worker() -> bool:
+            if cfg.multi_turn is not None:
+                # Mid-conversation: a trajectory has durable turns and no end yet.
+                return _open_trajectory_recorded(cfg.store.url, rid)
             # With an engine kill planned, the worker crash waits until the worker has
             # recorded that engine's loss: killed first, it never would, and the resumed
             # worker would find the engine restarted.
@@ -461,6 +562,13 @@ def run_demo(
         violations = [str(v) for v in find_violations(state)]
         last_seq = store.last_seq(rid)
         engines = engine_summary(_whole_log(store, rid))
+        multi = None
+        if cfg.multi_turn is not None:
+            from .loop import tool_ledger_path
+            from .multiturn_task import CalculatorLedger
+
+            entries = CalculatorLedger(tool_ledger_path(cfg, rid)).entries()
+            multi = multi_turn_summary(store, rid, entries)
     finally:
         store.close()
     steps = sorted(ledger.step_rewards)
@@ -500,4 +608,5 @@ def run_demo(
         "log_events": last_seq,
         "seconds": round(time.perf_counter() - started, 1),
         "worker_pids": worker_pids,
+        **({} if multi is None else {"task": "multi-turn", **multi}),
     }
