@@ -30,7 +30,7 @@ MULTI_TURN_RUN: dict[str, Any] = {
         "spare_pool_size": 2,
     },
     "generation": {"max_in_flight_siblings": 64, "max_tokens": 32},
-    "trainer": {"lr": 0.02},
+    "trainer": {"lr": 0.05},
     "multi_turn": {
         "task": "calculator",
         "max_turns": 3,

@@ -161,9 +161,13 @@ def _run_worker(
     kill_after_step: int | None,
     on_message: Callable[[dict[str, Any]], None],
     may_kill: Callable[[], bool] = lambda: True,
+    kill_when: Callable[[], bool] | None = None,
 ) -> WorkerOutcome:
     """Run one worker; SIGKILL its process group after the first step report at or past
-    ``kill_after_step`` for which ``may_kill()`` holds (None: let it finish)."""
+    ``kill_after_step`` for which ``may_kill()`` holds (None: let it finish). With
+    ``kill_when``, from that step report on the demo also asks ``kill_when()`` every
+    few milliseconds while the worker runs, and kills it as soon as it holds (a crash
+    with generation in flight, not at a step boundary)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
     # stderr goes to a file, not a pipe: a chatty worker (vLLM logs a lot) would fill a
     # pipe nobody reads until the end and block forever.
@@ -196,11 +200,16 @@ def _run_worker(
         reader = threading.Thread(target=read_lines, name="demo-worker-stdout", daemon=True)
         reader.start()
         read_all = False
+        armed = False
         try:
             while True:
                 try:
-                    line = lines.get(timeout=0.5)
+                    line = lines.get(timeout=0.02 if armed else 0.5)
                 except queue.Empty:
+                    if armed and kill_when is not None and kill_when():
+                        _kill_group(proc)  # a real crash, mid-step
+                        out.killed = True
+                        break
                     if proc.poll() is not None:
                         _kill_group(proc)  # its leftovers hold the pipe: end them
                     continue
@@ -223,6 +232,7 @@ def _run_worker(
                         _kill_group(proc)
                         out.killed = True
                         break
+                    armed = kill_when is not None
                     _answer(proc)  # not yet: the worker goes on to its next step
         finally:
             if not read_all:
@@ -382,23 +392,39 @@ def engine_summary(log: list[tuple[bool, RolloutEvent]]) -> dict[str, int]:
     }
 
 
-def _open_trajectory_recorded(url: str, run_id: str) -> bool:
-    """Whether the run's log holds a trajectory with a durable model call and no
-    completion yet (read-only): a crash now lands mid-conversation."""
-    try:
-        with EventStore.open(url, readonly=True) as store:
-            turns: set[tuple[int, int]] = set()
-            done: set[tuple[int, int]] = set()
-            for row in store.read(run_id):
+class OpenTrajectoryWatch:
+    """Reads a run's log as it grows (read-only, incrementally): whether it holds a
+    trajectory with a durable model call and no end yet, i.e. a crash now lands
+    mid-conversation."""
+
+    def __init__(self, url: str, run_id: str) -> None:
+        self.url = url
+        self.run_id = run_id
+        self._store: EventStore | None = None
+        self._seq = 0
+        self._turns: set[tuple[int, int]] = set()
+        self._done: set[tuple[int, int]] = set()
+
+    def __call__(self) -> bool:
+        try:
+            if self._store is None:
+                self._store = EventStore.open(self.url, readonly=True)
+            for row in self._store.read(self.run_id, self._seq + 1):
+                self._seq = row.seq
                 if row.type == "ModelCallCompleted":
                     ev = CODEC.decode(row)
-                    turns.add((ev.group_id, ev.sibling))  # type: ignore[attr-defined]
+                    self._turns.add((ev.group_id, ev.sibling))  # type: ignore[attr-defined]
                 elif row.type == "TrajectoryCompleted":
                     ev = CODEC.decode(row)
-                    done.add((ev.group_id, ev.sibling))  # type: ignore[attr-defined]
-            return bool(turns - done)
-    except Exception:  # busy: ask again at the next step
-        return False
+                    self._done.add((ev.group_id, ev.sibling))  # type: ignore[attr-defined]
+        except Exception:  # not created yet, or busy: ask again
+            return False
+        return bool(self._turns - self._done)
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
 
 
 def multi_turn_summary(
@@ -522,9 +548,9 @@ def run_demo(
                 restarts.append(thread)
 
         def may_kill_worker() -> bool:
-            if cfg.multi_turn is not None:
+            if watch is not None:
                 # Mid-conversation: a trajectory has durable turns and no end yet.
-                return _open_trajectory_recorded(cfg.store.url, rid)
+                return watch()
             # With an engine kill planned, the worker crash waits until the worker has
             # recorded that engine's loss: killed first, it never would, and the resumed
             # worker would find the engine restarted.
@@ -532,14 +558,20 @@ def run_demo(
                 return True
             return engine_killed.is_set() and _engine_loss_recorded(cfg.store.url, rid)
 
-        first = _run_worker(
-            cfg,
-            rid,
-            "fresh",
-            kill_after_step=kill_at,
-            on_message=first_message,
-            may_kill=may_kill_worker,
-        )
+        watch = None if cfg.multi_turn is None else OpenTrajectoryWatch(cfg.store.url, rid)
+        try:
+            first = _run_worker(
+                cfg,
+                rid,
+                "fresh",
+                kill_after_step=kill_at,
+                on_message=first_message,
+                may_kill=may_kill_worker,
+                kill_when=watch,
+            )
+        finally:
+            if watch is not None:
+                watch.close()
         if not first.killed:
             raise DemoError("the first worker finished before the planned crash")
         for thread in restarts:  # the resumed worker finds every engine up
@@ -583,7 +615,11 @@ def run_demo(
         "reward_first": sum(rewards[:k]) / k if k else 0.0,
         "reward_last": sum(rewards[-k:]) / k if k else 0.0,
         "rewards": rewards,
-        "killed_after_step": kill_at,
+        # The last step the first worker reported (a multi-turn crash may come later than
+        # the planned step: it waits for a conversation in flight).
+        "killed_after_step": max(
+            (m["step"] for m in first.messages if m.get("event") == "step"), default=kill_at
+        ),
         "restored_from_offset": restored.get("from_offset"),
         "recovery": {
             key: restored.get(key)

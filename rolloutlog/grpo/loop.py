@@ -407,9 +407,7 @@ async def run_training(
             exported: Path | None = None
             last = first
             for step in range(first, cfg.steps):
-                if step == cfg.fleet.kill_engine_at_step and isinstance(
-                    fleet, InProcessFakeFleet
-                ):
+                if step == cfg.fleet.kill_engine_at_step and isinstance(fleet, InProcessFakeFleet):
                     victim = len(fleet.servers) - 1
                     await fleet.kill_and_restart(victim)
                     emit({"event": "engine_killed", "step": step, "engine": victim})

@@ -187,7 +187,9 @@ class CalculatorPrompts:
 
     def prompt_token_ids(self, index: int) -> list[int]:
         """``<bos>`` then the question's tokens."""
-        ids = [int(t) for t in self.tokenizer.encode(self.prompt_text(index), add_special_tokens=False)]
+        ids = [
+            int(t) for t in self.tokenizer.encode(self.prompt_text(index), add_special_tokens=False)
+        ]
         bos = self.tokenizer.bos_token_id
         return ids if bos is None else [int(bos), *ids]
 

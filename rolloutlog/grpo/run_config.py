@@ -154,7 +154,9 @@ class RunConfig(BaseModel):
         if self.reward is not None and self.dataset is None:
             raise ValueError("reward is set but dataset is not (the toy task has its own reward)")
         if self.multi_turn is not None and self.dataset is not None:
-            raise ValueError("multi_turn and dataset are both set (the multi-turn task has its own prompts)")
+            raise ValueError(
+                "multi_turn and dataset are both set (the multi-turn task has its own prompts)"
+            )
         return self
 
 
