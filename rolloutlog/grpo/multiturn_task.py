@@ -21,7 +21,7 @@ counts the ledger's lines per key: a key with two lines is a tool call executed 
 Reward of the answer (the first output without a tool call): ``1.0`` if its leading
 digits are ``A+B``; ``0.3`` if it starts with another number; ``0.0`` otherwise (a
 trajectory that never answers within ``max_turns`` also scores 0). A random tiny
-policy scores about 0.06; it first learns to answer with a number, and to get the last
+policy scores about 0.09; it first learns to answer with a number, and to get the last
 0.7 it must copy the calculator's result.
 
 Why ``step`` and not ``get_reward``: the reward of a step is recorded with the step
