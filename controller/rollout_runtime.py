@@ -273,9 +273,7 @@ class RolloutRuntime:
         """Record the abort of every sibling attempt the log holds in flight."""
         if self.controller.state.failure is not None:
             return  # a failed run takes no command; its in-flight work dies with it
-        for group in list(self.controller.state.groups.values()):
-            if group.phase is not Phase.ADMITTED:
-                continue
+        for group in self.controller.state.live_groups(Phase.ADMITTED):
             for index, sib in enumerate(group.siblings):
                 if sib.status is SiblingStatus.IN_FLIGHT:
                     self.controller.execute(
@@ -341,7 +339,7 @@ class RolloutRuntime:
         now = asyncio.get_running_loop().time()
         # Oldest target step first, so the next batch fills before later ones.
         candidates = sorted(
-            (g for g in state.groups.values() if g.phase is Phase.ADMITTED),
+            state.live_groups(Phase.ADMITTED),  # rows scanned, a view per admitted group
             key=lambda g: (g.target_step if g.target_step is not None else 0, g.group_id),
         )
         for group in candidates:
@@ -631,7 +629,7 @@ class RolloutRuntime:
 
     def _nothing_can_arrive(self) -> bool:
         state = self.controller.state
-        generating = any(g.phase is Phase.ADMITTED for g in state.groups.values())
+        generating = bool(state.live_groups(Phase.ADMITTED))
         return not generating and admission_blocker(state) is not None
 
     def _assemble(self, train_step: int) -> Batch:

@@ -16,6 +16,13 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 from hypothesis import settings
+from suite_scheduling import (
+    ENGINE_FIXTURES,
+    ENGINE_PARAMS,
+    engine_group,
+    make_scheduler,
+    write_estimates,
+)
 
 # No per-example time limit: Hypothesis's 200 ms deadline fails the first example of a
 # fresh clone (building its Unicode tables takes over a second on this 2-core machine).
@@ -42,78 +49,52 @@ def _pg_unavailable(reason: str) -> None:
     pytest.skip(f"PostgreSQL unavailable ({reason}); set ROLLOUTLOG_TEST_PG_URL to test it")
 
 
-# pytest-xdist (`make test`: -n N --dist loadgroup) runs the tests of one session vLLM
-# engine of tests/backends on one worker, so each engine (1.5-4.5 GB) starts once per run,
-# not once per worker. Those tests are known by their node id: the controller schedules
-# before any worker has collected (and xdist 3.8's own xdist_group marks do not reach the
-# node ids under pytest 9). tests/backends/conftest.py checks at collection that every
-# test using an engine fixture is covered here.
-_ENGINE_TESTS = {
-    "tests/backends/test_contract.py::test_vllm_engine_failure_names_the_cause": "vllm_engine",
-    "tests/backends/test_fleet.py::test_sigkill_one_vllm_engine_then_restart_and_refit": (
-        "vllm_servers"
-    ),
-    "tests/backends/test_fleet_weights.py::"
-    "test_vllm_engines_reused_from_an_earlier_run_are_refit_and_probed": "vllm_servers",
-}
-
-
-def engine_group(nodeid: str) -> str | None:
-    """The session engine a test of tests/backends uses (by its parameters), or None."""
-    if not nodeid.startswith("tests/backends/"):
-        return None
-    base, _, params = nodeid.partition("[")
-    parts = params.rstrip("]").split("-")
-    if "vllm_server" in parts or "vllm_fleet" in parts:
-        return "vllm_servers"
-    if "vllm" in parts:
-        return "vllm_engine"
-    return _ENGINE_TESTS.get(base)
-
-
-_ENGINE_PARAMS = {
-    "vllm": "vllm_engine",
-    "vllm_server": "vllm_servers",
-    "vllm_fleet": "vllm_servers",
-}
-_ENGINE_FIXTURES = {
-    "vllm_session_backend": "vllm_engine",
-    "vllm_server_engines": "vllm_servers",
-    "vllm_server_session_backend": "vllm_servers",
-    "vllm_fleet_session_backend": "vllm_servers",
-}
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every test that uses a session engine is in that engine's group (engine_group)."""
     for item in items:
         fixtures = getattr(item, "fixturenames", ())
-        groups = {_ENGINE_FIXTURES[f] for f in fixtures if f in _ENGINE_FIXTURES}
+        groups = {ENGINE_FIXTURES[f] for f in fixtures if f in ENGINE_FIXTURES}
         callspec = getattr(item, "callspec", None)
         for name in ("backend", "model_backend"):
-            if callspec is not None and callspec.params.get(name) in _ENGINE_PARAMS:
-                groups.add(_ENGINE_PARAMS[callspec.params[name]])
+            if callspec is not None and callspec.params.get(name) in ENGINE_PARAMS:
+                groups.add(ENGINE_PARAMS[callspec.params[name]])
         if len(groups) > 1 or (groups and engine_group(item.nodeid) not in groups):
             raise pytest.UsageError(
                 f"{item.nodeid} uses the session engine {' and '.join(sorted(groups))}: "
-                "add it to _ENGINE_TESTS in tests/conftest.py (one worker runs each "
+                "add it to ENGINE_TESTS in tests/suite_scheduling.py (one worker runs each "
                 "engine's tests)"
             )
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """``--dist loadgroup``: xdist's group scheduling, the groups being the engines."""
+    """``--dist loadgroup``: the work units of tests/suite_scheduling.py, longest first."""
     if config.getvalue("dist") != "loadgroup":
         return None
-    from xdist.scheduler import LoadGroupScheduling
+    return make_scheduler(config, log)
 
-    class EngineGroupScheduling(LoadGroupScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            group = engine_group(nodeid)
-            return f"@{group}" if group is not None else super()._split_scope(nodeid)
 
-    return EngineGroupScheduling(config, log)
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--durations-table",
+        metavar="PATH",
+        help="write each test's duration (setup + call + teardown) as the scheduler's "
+        "estimates table (tests/durations.json)",
+    )
+
+
+_durations: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    path = session.config.getoption("--durations-table", None)
+    if not path or os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # the controller (or a serial run) writes it, from every worker's reports
+    write_estimates(Path(path), _durations)
 
 
 @pytest.fixture(scope="session")

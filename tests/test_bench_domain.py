@@ -30,7 +30,7 @@ from rolloutlog.bench.domain_bench import (
 )
 from rolloutlog.cli import main
 from rolloutlog.controller.domain import check_invariants
-from rolloutlog.controller.domain.state import Loan, Phase, RunState
+from rolloutlog.controller.domain.state import GROUP_FIELDS, Loan, Phase, RunState
 from rolloutlog.controller.rollout_controller import replay
 from rolloutlog.eventstore import EventStore
 
@@ -197,13 +197,14 @@ def _asdict_reference(state: RunState) -> dict[str, Any]:
     """``RunState.to_snapshot`` as first written (dataclasses.asdict), for comparison."""
     data = asdict(state)
     data["config"] = state.config.model_dump() if state.config else None
-    # A group's siblings as they were stored before rows: a list of dicts, in its place.
+    # A group's siblings as they were stored before rows: a list of dicts, in its place
+    # (a group is read through its view's fields, as it was a dataclass's).
     data["groups"] = [
         {
             ("siblings" if k == "sibling_rows" else k): (
-                [s._asdict() for s in g.siblings] if k == "sibling_rows" else v
+                [s._asdict() for s in g.siblings] if k == "sibling_rows" else getattr(g, k)
             )
-            for k, v in asdict(g).items()
+            for k in GROUP_FIELDS
         }
         for g in state.groups.values()
     ]
@@ -338,3 +339,10 @@ def test_the_loop_part_timed_full_collections_of_untracked_and_tracked_groups(
     assert full["groups"] >= 1 and full["group_size"] >= 1
     assert full["untracked_ms"] > 0 and full["tracked_ms"] > 0
     assert full["tracked_vs_untracked"] == full["tracked_ms"] / full["untracked_ms"]
+    assert full["group_objects_vs_untracked"] == full["group_objects_ms"] / full["untracked_ms"]
+    # The state's groups add no tracked object; a view per group kept alive adds one each,
+    # and the siblings as objects 1 + group_size more per group.
+    assert full["group_objects"] - full["untracked_objects"] >= full["groups"]
+    extra = full["tracked_objects"] - full["untracked_objects"]
+    assert extra >= full["groups"] * (1 + full["group_size"])
+    assert result["loop"]["tracked_objects"] > 0

@@ -22,7 +22,10 @@ OpenAI-compatible vLLM server, anywhere on the network). The fleet
   claim after every join and load: a fixed prompt's logprobs must match the reference
   model's for that version within the probe's tolerance, or the engine is stale;
 - never sends a request to an engine whose weights differ from the version the request
-  is dispatched with;
+  is dispatched with, and keeps a result only if its engine still carries the fleet's
+  weight tag after serving it (another client, e.g. a second run on the same engines,
+  that loads other weights into an engine tags it first: those results are discarded,
+  retryable, and the engine is stale until refit);
 - fans weight updates out to every engine that answers: the weights are written
   **once** to a versioned directory (``weights_root``, shared with the engines) and
   each engine drains its own requests and reloads it (``/collective_rpc
@@ -194,6 +197,8 @@ class FleetBackend:
         if weight_probe is not None and model_dir is None:
             raise ValueError("a weight probe needs model_dir (the reference model)")
         self.engines = [FleetEngine(e) for e in engines]
+        for engine in self.engines:  # a result is kept only if its engine's tag is ours
+            engine.backend.check_tag_after_serving = True
         self._by_id = {e.engine_id: e for e in self.engines}
         self.model_dir = None if model_dir is None else Path(model_dir)
         self._weights_root = None if weights_root is None else Path(weights_root)

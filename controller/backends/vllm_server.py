@@ -17,7 +17,9 @@ The server is ``python -m vllm.entrypoints.openai.api_server`` started with
   to load new weights from a directory of safetensors written by the trainer (the
   weight update that works on the CPU), then ``POST /reset_prefix_cache``, then
   ``POST /update_weight_version`` (the engine's weight tag, ``rolloutlog-v{version}``)
-  read back with ``GET /weight_info``.
+  read back with ``GET /weight_info``. With :attr:`check_tag_after_serving` (a fleet's
+  engines) the tag is read again after each group is served: results from an engine
+  another client has loaded other weights into are discarded.
 - ``GET /health`` (liveness), ``GET /v1/models`` (``max_model_len``).
 
 Errors: a transport error or timeout is :class:`EngineTransportError` (retryable: a new
@@ -71,8 +73,9 @@ from rolloutlog.controller.backends.torch_backend import sibling_seed
 MANIFEST = "rolloutlog_weights.json"
 #: The weight version tag a vLLM engine reports before anyone set one.
 STARTUP_TAG = "default"
-#: The tag an engine carries while a load is under way: a load cut short (the trainer
-#: killed between the reload and the tag) leaves it, never a tag naming other weights.
+#: The tag an engine carries while a load is under way (followed by the loading client's
+#: nonce and a counter: unique per load): a load cut short (the trainer killed between
+#: the reload and the tag) leaves it, never a tag naming other weights.
 LOADING_TAG = "rolloutlog-loading"
 _TAG = re.compile(r"^rolloutlog-v(\d+)-([0-9a-f]{16})$")
 
@@ -256,6 +259,11 @@ class VLLMServerBackend(BackendBase):
         self._client: Any = None
         self._model_name: str | None = None
         self._gate = DrainGate()
+        #: Whether the server keeps a weight tag (``/weight_info`` 200); None: not asked yet.
+        self._tags_supported: bool | None = None
+        #: Read the engine's weight tag after each ``generate`` and discard the results if
+        #: it no longer names the weights this client loaded (the fleet turns it on).
+        self.check_tag_after_serving = False
         self._nonce = uuid.uuid4().hex[:8]
         self._ids = itertools.count()
         self._written: list[Path] = []
@@ -451,6 +459,8 @@ class VLLMServerBackend(BackendBase):
                 if any(task.cancelled() for task in run.tasks):
                     raise self._aborted(request)
                 results = [task.result() for task in run.tasks]
+                if self.check_tag_after_serving:
+                    await self._check_tag_after_serving(request)
         results = self._check_results(request, results)
         return [replace(r, engine_id=self.engine_id) for r in results]
 
@@ -592,11 +602,13 @@ class VLLMServerBackend(BackendBase):
         Checked: the directory's manifest must name ``version`` (``check_manifest=False``
         for a model directory, e.g. back to the start-up weights; then ``fingerprint``
         names its weights). Drains in-flight requests first. The engine is tagged
-        :data:`LOADING_TAG` before the reload and :func:`weight_tag` after it, so its tag
-        never names weights it does not hold. Not retried: if the outcome is unknown
-        (transport error, timeout, 5xx, cancelled) the weights become unknown and
-        :class:`BackendError` is raised; call this again (a deliberate refit) to make the
-        engine usable.
+        ``{LOADING_TAG}-{nonce}-{n}`` (unique per load) before the reload and
+        :func:`weight_tag` after it, so its tag never names weights it does not hold.
+        Before the final tag the engine must still carry this load's loading tag (another
+        client's load meanwhile changed it). Not retried: if the outcome is unknown
+        (transport error, timeout, 5xx, cancelled, another client's load) the weights
+        become unknown and :class:`BackendError` is raised; call this again (a deliberate
+        refit) to make the engine usable.
         """
         httpx = _httpx()
         client = self._client_or_raise()
@@ -618,7 +630,8 @@ class VLLMServerBackend(BackendBase):
         }
         async with self._gate.swapping():
             try:
-                tagged = await self._set_tag(client, LOADING_TAG)
+                loading = f"{LOADING_TAG}-{self._nonce}-{next(self._ids)}"
+                tagged = await self._set_tag(client, loading)
                 resp = await client.post(
                     "/collective_rpc", json=body, timeout=self.control_timeout + 5
                 )
@@ -645,7 +658,7 @@ class VLLMServerBackend(BackendBase):
                 )
             try:
                 await self._reset_prefix_cache(client, version)
-                await self._tag(client, version, fingerprint)
+                await self._tag(client, version, fingerprint, loading if tagged else None)
             except BaseException:
                 self._weights_known = False
                 raise
@@ -654,9 +667,13 @@ class VLLMServerBackend(BackendBase):
             self._weights_known = True
 
     async def _set_tag(self, client: Any, tag: str) -> bool:
-        """Set the engine's weight tag; False if the server has no tag endpoint (404)."""
+        """Set the engine's weight tag; False if the server has no tag endpoint (404).
+
+        Part of a weight load: it may take as long as one (``control_timeout``); a
+        timeout would leave the weights unknown.
+        """
         resp = await client.post(
-            "/update_weight_version", json={"new_version": tag}, timeout=self.health_timeout
+            "/update_weight_version", json={"new_version": tag}, timeout=self.control_timeout
         )
         if resp.status_code == 404:
             return False
@@ -683,8 +700,14 @@ class VLLMServerBackend(BackendBase):
         except (httpx.TransportError, httpx.TimeoutException, BackendError):
             self._weights_known = False
 
-    async def _tag(self, client: Any, version: int, fingerprint: str | None) -> None:
+    async def _tag(
+        self, client: Any, version: int, fingerprint: str | None, loading: str | None
+    ) -> None:
         """Tag the engine with ``version`` and ``fingerprint`` and read the tag back.
+
+        First the engine must still carry this load's own ``loading`` tag (unique per
+        load): another client that loaded other weights meanwhile set its own tag, and
+        the weights are then unknown (refit), never tagged as ours.
 
         The tag lives in the engine process: a restarted engine reports vLLM's start-up
         tag (``"default"``) again, which is how :meth:`verify_weights` tells a restart
@@ -697,9 +720,17 @@ class VLLMServerBackend(BackendBase):
             return
         tag = weight_tag(version, fingerprint)
         try:
+            if loading is not None:
+                held = await self.served_weight_tag(self.control_timeout)
+                if held != loading:
+                    raise self._weights_lost(
+                        f"its weight tag changed to {held!r} during the load of weight "
+                        f"version {version}: another client loaded weights into it (is "
+                        "another run using this engine?); refit before serving",
+                    )
             if not await self._set_tag(client, tag):
                 return
-            held = await self.served_weight_tag()
+            held = await self.served_weight_tag(self.control_timeout)
         except (httpx.TransportError, httpx.TimeoutException) as exc:
             raise self._weights_lost(
                 f"could not tag weight version {version} "
@@ -711,14 +742,70 @@ class VLLMServerBackend(BackendBase):
                 f"{version} (engine reports {held!r})",
             )
 
-    async def served_weight_tag(self) -> str | None:
-        """The weight version tag the engine reports (``GET /weight_info``), or None."""
+    async def served_weight_tag(self, timeout: float | None = None) -> str | None:
+        """The weight version tag the engine reports (``GET /weight_info``), or None.
+
+        ``timeout``: default ``health_timeout`` (the fleet's health monitor asks it).
+        """
         client = self._client_or_raise()
-        resp = await client.get("/weight_info", timeout=self.health_timeout)
+        resp = await client.get("/weight_info", timeout=timeout or self.health_timeout)
+        if resp.status_code == 404:
+            self._tags_supported = False
         if resp.status_code != 200:
             return None
+        self._tags_supported = True
         value = resp.json().get("weight_version")
         return None if value is None else str(value)
+
+    @property
+    def tags_supported(self) -> bool:
+        """False once the server answered ``/weight_info`` with 404 (it keeps no tag)."""
+        return self._tags_supported is not False
+
+    def expected_tag(self) -> str:
+        """The tag the engine carries while it holds the weights this client believes."""
+        if self._fingerprint is None:
+            return STARTUP_TAG
+        return weight_tag(self._weight_version, self._fingerprint)
+
+    def holds_our_weights(self, tag: str | None) -> bool:
+        """Whether an engine tagged ``tag`` holds the weights this client believes it holds:
+        our tag, or another client's tag for the same tensors (same fingerprint)."""
+        if not self._weights_known or tag is None:
+            return False
+        if tag == self.expected_tag():
+            return True
+        parsed = parse_weight_tag(tag)
+        ours = self._fingerprint
+        return ours is not None and parsed is not None and parsed[1] == ours
+
+    async def _check_tag_after_serving(self, request: GroupRequest) -> None:
+        """The engine must still carry the tag of the weights the results are labelled
+        with, read after it answered: a client that loads other weights into this engine
+        tags it first (:data:`LOADING_TAG`), so a foreign load during or before the request
+        shows here and the results are discarded (:class:`EngineStaleError`, retryable on
+        another engine) instead of being recorded under a version they do not come from."""
+        httpx = _httpx()
+        if self._tags_supported is False:
+            return
+        try:  # a slow answer is no reason to discard results: the control deadline
+            held = await self.served_weight_tag(self.control_timeout)
+        except (httpx.TransportError, httpx.TimeoutException, ValueError) as exc:
+            raise EngineTransportError(
+                f"{self.engine_id}: group {request.group_id}: its weight tag could not be read "
+                f"after serving ({type(exc).__name__}: {exc}); results discarded"
+            ) from exc
+        if held is None and not self.tags_supported:  # the server keeps no tag (404)
+            return
+        if self.holds_our_weights(held):
+            return
+        expected = self.expected_tag()
+        self._weights_known = False
+        raise EngineStaleError(
+            f"{self.engine_id}: group {request.group_id}: its weight tag is {held!r} after "
+            f"serving, not {expected!r}: another client loaded weights into it (is another run "
+            "using this engine?); results discarded, refit before serving"
+        )
 
     def assume_weights(self, version: int, fingerprint: str | None) -> None:
         """Believe the server holds ``version`` (``fingerprint``; None: the start-up
@@ -739,12 +826,7 @@ class VLLMServerBackend(BackendBase):
             held = await self.served_weight_tag()
         except (httpx.TransportError, httpx.TimeoutException, ValueError):
             held = None
-        expected = (
-            STARTUP_TAG
-            if self._fingerprint is None
-            else weight_tag(self._weight_version, self._fingerprint)
-        )
-        ok = self._weights_known and held is not None and held == expected
+        ok = self._weights_known and held is not None and held == self.expected_tag()
         if not ok:
             self._weights_known = False
         return bool(ok)

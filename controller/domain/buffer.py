@@ -229,7 +229,7 @@ def evolve_group_committed(state: RunState, ev: GroupCommitted) -> None:
 
 
 def _remove(state: RunState, group: GroupState, outcome: VacateOutcome, reason: str) -> None:
-    del state.groups[group.group_id]
+    group = state.groups.pop(group.group_id)  # the group as it leaves (a view of its row)
     state.ready.pop(group.group_id, None)
     state.loans.pop(group.group_id, None)
     t = group.target_step

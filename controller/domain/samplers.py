@@ -43,7 +43,7 @@ def stale_groups(state: RunState, phases: tuple[Phase, ...]) -> list[tuple[Group
     pool = (
         (state.groups[gid] for gid in state.ready)
         if phases == (Phase.READY,)
-        else state.groups.values()
+        else state.live_groups(*phases)  # a view only per group in ``phases``
     )
     for g in pool:
         if g.phase in phases:
@@ -87,11 +87,7 @@ def _plan_in_order(state: RunState, t: int) -> BatchPlan:
     rules = state.rules
     if t >= state.dispatch_cursor:
         return BatchPlan(waiting_for=f"step {t} has not been admitted")
-    stamped = [
-        g
-        for g in state.groups.values()
-        if g.target_step == t and g.phase in (Phase.ADMITTED, Phase.READY)
-    ]
+    stamped = [g for g in state.live_groups(Phase.ADMITTED, Phase.READY) if g.target_step == t]
     generating = [g for g in stamped if g.phase is Phase.ADMITTED]
     if generating:
         return BatchPlan(waiting_for=f"{len(generating)} groups of step {t} are still generating")
@@ -117,7 +113,7 @@ def _plan_pooled(state: RunState) -> BatchPlan:
         )
     if len(eligible) >= rules.groups_per_step:
         return BatchPlan(select=eligible)
-    generating = any(g.phase is Phase.ADMITTED for g in state.groups.values())
+    generating = bool(state.live_groups(Phase.ADMITTED))
     if generating or admission_blocker(state) is None:
         return BatchPlan(waiting_for=f"{len(eligible)} of {rules.groups_per_step} groups ready")
     if not eligible:

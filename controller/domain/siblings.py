@@ -33,11 +33,12 @@ def _group(state: RunState, group_id: int) -> GroupState:
 
 
 def _sibling(state: RunState, group: GroupState, sibling: int) -> SiblingState:
-    if not 0 <= sibling < group.size:
+    rows = group.sibling_rows  # one read of the group's row for the check and the view
+    if not 0 <= sibling < len(rows):
         raise IllegalTransitionError(
-            f"group {group.group_id} has siblings 0..{group.size - 1}, not {sibling}"
+            f"group {group.group_id} has siblings 0..{len(rows) - 1}, not {sibling}"
         )
-    return group.sibling(sibling)
+    return SiblingState.from_row(rows[sibling])
 
 
 def _in_flight(state: RunState, group_id: int, sibling: int, attempt: int) -> SiblingState:
@@ -188,11 +189,12 @@ def _evolve_target(
     state: RunState, group_id: int, sibling: int, what: str
 ) -> tuple[GroupState, SiblingState]:
     group = state.groups.get(group_id)
-    if group is None or not 0 <= sibling < group.size:
+    rows = () if group is None else group.sibling_rows
+    if group is None or not 0 <= sibling < len(rows):
         raise UnknownReferenceError(
             f"{what} names unknown group {group_id} sibling {sibling}", groups=(group_id,)
         )
-    return group, group.sibling(sibling)
+    return group, SiblingState.from_row(rows[sibling])
 
 
 def evolve_dispatched(state: RunState, ev: SiblingDispatched) -> None:

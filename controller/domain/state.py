@@ -9,10 +9,18 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Iterable
+from collections.abc import (
+    ItemsView,
+    Iterable,
+    Iterator,
+    KeysView,
+    Mapping,
+    MutableMapping,
+    ValuesView,
+)
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import StrEnum
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, Generic, NamedTuple, TypeVar, overload
 
 from ..config import RolloutConfig
 
@@ -83,26 +91,142 @@ class SiblingState(NamedTuple):
         return (a, value, w, f, c, r, p, s)
 
 
-@dataclass(slots=True)
-class GroupState:
-    """One prompt × group_size siblings.
+#: A group as the state stores it: a plain tuple of atoms and its tuple of sibling rows,
+#: in :data:`GROUP_FIELDS` order, with the phase as its string value. Like a sibling row,
+#: CPython's collector untracks it by itself at the first collection that sees it (once
+#: its tuple of rows is untracked), so a buffer of 100k groups is not 100k objects for
+#: every full collection to walk. Rows are immutable: a change makes a new row.
+GroupRow = tuple[
+    int,  # group_id
+    int,  # prompt_index
+    int | None,  # target_step
+    str,  # phase (its value)
+    tuple[SiblingRow, ...],  # sibling_rows
+    bool,  # recovered
+    int | None,  # borrowed_from
+    int | None,  # selected_for
+    int | None,  # selected_staleness
+    int | None,  # ready_order
+    int,  # data_pass
+]
+#: A group's fields, in :data:`GroupRow` order (a snapshot stores them by these names).
+GROUP_FIELDS: tuple[str, ...] = (
+    "group_id",
+    "prompt_index",
+    "target_step",
+    "phase",
+    "sibling_rows",
+    "recovered",
+    "borrowed_from",
+    "selected_for",
+    "selected_staleness",
+    "ready_order",
+    "data_pass",
+)
+_PHASE_AT: Final = 3  # GROUP_FIELDS.index("phase")
+_SIBLINGS_AT: Final = 4  # GROUP_FIELDS.index("sibling_rows")
+_READY_ORDER_AT: Final = 9  # GROUP_FIELDS.index("ready_order")
+_PHASE: dict[str, Phase] = {p.value: p for p in Phase}
+#: A phase's value, looked up by the member or by the value itself.
+_PHASE_VALUE: dict[str, str] = {p: p.value for p in Phase}
+_READY = Phase.READY.value
 
-    The group itself is one mutable object; its siblings are immutable rows
-    (:data:`SiblingRow`), read through :attr:`siblings` and changed by
-    :meth:`set_sibling`, which replaces the row. Make one with :meth:`new`.
+
+def _phase_value(phase: Phase | str) -> str:
+    value = _PHASE_VALUE.get(phase)
+    if value is None:
+        value = Phase(phase).value  # the ValueError that names the bad phase
+    return value
+
+
+_T = TypeVar("_T")
+_D = TypeVar("_D")
+
+if TYPE_CHECKING:
+
+    class _Field(Generic[_T]):
+        """How a type checker sees a :func:`_field` (a property at run time)."""
+
+        def __get__(self, view: GroupState, owner: type[GroupState]) -> _T: ...
+        def __set__(self, view: GroupState, value: _T) -> None: ...
+
+
+def _field(index: int) -> Any:
+    """A :class:`GroupState` attribute: field ``index`` of the group's current row."""
+
+    def get(self: GroupState) -> Any:
+        rows = self._rows
+        if rows is not None:
+            row = rows.get(self.group_id)
+            if row is not None:
+                self._row = row
+                return row[index]
+        return self._row[index]
+
+    def put(self: GroupState, value: Any) -> None:
+        self._put(index, value)
+
+    return property(get, put, doc=f"The group's {GROUP_FIELDS[index]}.")
+
+
+class GroupState:
+    """One prompt × group_size siblings, as read: a view of the group's row.
+
+    The state stores a group as a :data:`GroupRow` in its :class:`GroupTable`; reading
+    ``state.groups[gid]`` makes a view, whose attributes read the group's current row
+    and whose assignments (``group.phase = Phase.READY``) replace that row in the table,
+    so every view of a group sees every change. A view of a group that has since left
+    the table reads the group as this view last read or wrote it. A view made by the
+    constructor (or :meth:`new`) holds its own row until it is put in a table. The
+    siblings are rows too (:data:`SiblingRow`), read through :attr:`siblings` and changed
+    by :meth:`set_sibling`, which replaces the sibling's row.
     """
 
+    __slots__ = ("_row", "_rows", "group_id")
+
     group_id: int
-    prompt_index: int
-    target_step: int | None
-    phase: Phase
-    sibling_rows: tuple[SiblingRow, ...]
-    recovered: bool = False  # came back in a restore
-    borrowed_from: int | None = None  # lender step, when re-stamped by a borrow
-    selected_for: int | None = None  # train step, when selected
-    selected_staleness: int | None = None
-    ready_order: int | None = None  # position in commit order (ready_first sampler)
-    data_pass: int = 0  # the pass over the data: the prompt's identity is (pass, index)
+    _rows: dict[int, GroupRow] | None  # the table's rows, when in a table
+    _row: GroupRow  # the row as this view last read or wrote it
+
+    prompt_index: _Field[int] = _field(1)
+    target_step: _Field[int | None] = _field(2)
+    sibling_rows: _Field[tuple[SiblingRow, ...]] = _field(_SIBLINGS_AT)
+    recovered: _Field[bool] = _field(5)  # came back in a restore
+    borrowed_from: _Field[int | None] = _field(6)  # lender step, when re-stamped by a borrow
+    selected_for: _Field[int | None] = _field(7)  # train step, when selected
+    selected_staleness: _Field[int | None] = _field(8)
+    ready_order: _Field[int | None] = _field(_READY_ORDER_AT)  # commit order (ready_first)
+    data_pass: _Field[int] = _field(10)  # the pass over the data: a prompt is (pass, index)
+
+    def __init__(
+        self,
+        group_id: int,
+        prompt_index: int,
+        target_step: int | None,
+        phase: Phase,
+        sibling_rows: tuple[SiblingRow, ...],
+        recovered: bool = False,
+        borrowed_from: int | None = None,
+        selected_for: int | None = None,
+        selected_staleness: int | None = None,
+        ready_order: int | None = None,
+        data_pass: int = 0,
+    ) -> None:
+        self.group_id = group_id
+        self._rows = None
+        self._row = (
+            group_id,
+            prompt_index,
+            target_step,
+            _phase_value(phase),
+            tuple(sibling_rows),
+            recovered,
+            borrowed_from,
+            selected_for,
+            selected_staleness,
+            ready_order,
+            data_pass,
+        )
 
     @classmethod
     def new(
@@ -118,32 +242,71 @@ class GroupState:
         rows = tuple([s.row() for s in siblings])
         return cls(group_id, prompt_index, target_step, phase, rows, **rest)
 
+    @classmethod
+    def of_row(cls, row: GroupRow) -> GroupState:
+        """A view that holds ``row`` (in no table)."""
+        return _view(None, row[0], row)
+
+    def row(self) -> GroupRow:
+        """The group's current row (what the state stores)."""
+        rows = self._rows
+        if rows is not None:
+            row = rows.get(self.group_id)
+            if row is not None:
+                self._row = row
+                return row
+        return self._row
+
+    def _put(self, index: int, value: Any) -> None:
+        """Replace field ``index`` of the group's row."""
+        old = self.row()
+        self._store((*old[:index], value, *old[index + 1 :]))
+
+    def _store(self, row: GroupRow) -> None:
+        """Make ``row`` the group's row (in the table too, if the group is there)."""
+        self._row = row
+        rows = self._rows
+        if rows is not None and self.group_id in rows:
+            rows[self.group_id] = row
+
+    @property
+    def phase(self) -> Phase:
+        """Where the group is in its lifecycle."""
+        return _PHASE[self.row()[_PHASE_AT]]
+
+    @phase.setter
+    def phase(self, phase: Phase) -> None:
+        self._put(_PHASE_AT, _phase_value(phase))
+
     @property
     def siblings(self) -> tuple[SiblingState, ...]:
         """The siblings, in order (views: change one with :meth:`set_sibling`)."""
         view = SiblingState.from_row
-        return tuple([view(row) for row in self.sibling_rows])
+        return tuple([view(row) for row in self.row()[_SIBLINGS_AT]])
 
     @property
     def size(self) -> int:
         """How many siblings the group has."""
-        return len(self.sibling_rows)
+        return len(self.row()[_SIBLINGS_AT])
 
     def sibling(self, index: int) -> SiblingState:
         """Sibling ``index`` (an IndexError when the group has no such sibling)."""
-        return SiblingState.from_row(self.sibling_rows[index])
+        return SiblingState.from_row(self.row()[_SIBLINGS_AT][index])
 
     def set_sibling(self, index: int, sibling: SiblingState) -> None:
         """Replace sibling ``index``'s row by ``sibling``'s."""
-        rows = self.sibling_rows
+        row = self.row()
+        rows = row[_SIBLINGS_AT]
         if not 0 <= index < len(rows):
             raise IndexError(f"group {self.group_id} has no sibling {index}")
-        self.sibling_rows = (*rows[:index], sibling.row(), *rows[index + 1 :])
+        new = (*rows[:index], sibling.row(), *rows[index + 1 :])
+        g, p, t, phase, _, rec, lender, step, staleness, order, data_pass = row
+        self._store((g, p, t, phase, new, rec, lender, step, staleness, order, data_pass))
 
     def count(self, status: SiblingStatus) -> int:
         """Siblings with this status."""
         value = status.value
-        return sum(1 for row in self.sibling_rows if row[1] == value)
+        return sum(1 for row in self.row()[_SIBLINGS_AT] if row[1] == value)
 
     def done_count(self) -> int:
         """Siblings with a completion."""
@@ -151,8 +314,195 @@ class GroupState:
 
     def oldest_version(self) -> int | None:
         """Oldest weight version among finished siblings (None when none finished)."""
-        versions = [row[2] for row in self.sibling_rows if row[1] == _DONE and row[2] is not None]
+        versions = [
+            row[2] for row in self.row()[_SIBLINGS_AT] if row[1] == _DONE and row[2] is not None
+        ]
         return min(versions) if versions else None
+
+    # A value: equal when the rows are; a copy holds the row (in no table).
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, GroupState):
+            return NotImplemented
+        return self.row() == other.row()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as the dataclass it replaces
+
+    def __repr__(self) -> str:
+        row = self.row()
+        values: list[object] = list(row)
+        values[_PHASE_AT] = _PHASE[row[_PHASE_AT]]
+        body = ", ".join(f"{k}={v!r}" for k, v in zip(GROUP_FIELDS, values, strict=True))
+        return f"GroupState({body})"
+
+    def __copy__(self) -> GroupState:
+        return GroupState.of_row(self.row())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GroupState:
+        return GroupState.of_row(self.row())  # a row is immutable atoms: shared, not copied
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (GroupState.of_row, (self.row(),))
+
+
+_new_object = object.__new__
+_MISSING = object()
+
+
+def _view(rows: dict[int, GroupRow] | None, group_id: int, row: GroupRow) -> GroupState:
+    view: GroupState = _new_object(GroupState)
+    view.group_id = group_id
+    view._rows = rows
+    view._row = row
+    return view
+
+
+class GroupTable(MutableMapping[int, GroupState]):
+    """``RunState.groups``: the live groups by id, stored as rows, read as views.
+
+    A mapping of group id to :class:`GroupState` as the state's groups always were
+    (``groups[gid]``, ``get``, ``values()``, ``items()``, ``del``, ``in``, ``len``), but
+    it holds one :data:`GroupRow` per group, which CPython's collector does not track, and
+    makes a view per group read. ``groups[gid] = group`` stores the group's row, and a
+    view made by the constructor becomes a view of the table's row from then on.
+    """
+
+    __slots__ = ("_rows",)
+
+    def __init__(self, groups: Mapping[int, GroupState] | None = None) -> None:
+        self._rows: dict[int, GroupRow] = {}
+        if groups is not None:
+            for group_id, group in groups.items():
+                self[group_id] = group
+
+    @classmethod
+    def of_rows(cls, rows: Iterable[GroupRow]) -> GroupTable:
+        """A table of these rows (keyed by their group ids)."""
+        table = cls()
+        table._rows = {row[0]: row for row in rows}
+        return table
+
+    def row(self, group_id: int) -> GroupRow:
+        """Group ``group_id``'s row (a KeyError when it is not live)."""
+        return self._rows[group_id]
+
+    def rows(self) -> Iterable[GroupRow]:
+        """Every live group's row, in insertion order (no view made)."""
+        return self._rows.values()
+
+    def __getitem__(self, group_id: int) -> GroupState:
+        rows = self._rows
+        view: GroupState = _new_object(GroupState)  # _view, inlined: a read per command
+        view.group_id = group_id
+        view._rows = rows
+        view._row = rows[group_id]
+        return view
+
+    @overload
+    def get(self, group_id: int) -> GroupState | None: ...
+    @overload
+    def get(self, group_id: int, default: GroupState | _D) -> GroupState | _D: ...
+    def get(self, group_id: int, default: object = None) -> object:
+        """The group's view, or ``default`` when it is not live."""
+        rows = self._rows
+        row = rows.get(group_id)
+        if row is None:
+            return default
+        view: GroupState = _new_object(GroupState)  # _view, inlined: a read per command
+        view.group_id = group_id
+        view._rows = rows
+        view._row = row
+        return view
+
+    def __setitem__(self, group_id: int, group: GroupState) -> None:
+        if not isinstance(group, GroupState):
+            raise TypeError(f"groups hold GroupState values, not {type(group).__name__}")
+        if group.group_id != group_id:
+            raise ValueError(f"group {group.group_id} stored under id {group_id}")
+        self._rows[group_id] = group.row()
+        if group._rows is None:
+            group._rows = self._rows  # the new group's view now reads the table
+
+    def __delitem__(self, group_id: int) -> None:
+        del self._rows[group_id]
+
+    @overload
+    def pop(self, group_id: int) -> GroupState: ...
+    @overload
+    def pop(self, group_id: int, default: GroupState | _D) -> GroupState | _D: ...
+    def pop(self, group_id: int, default: object = _MISSING) -> object:
+        """Remove the group and return its view (or ``default`` when it is not live)."""
+        row = self._rows.pop(group_id, None)
+        if row is None:
+            if default is _MISSING:
+                raise KeyError(group_id)
+            return default
+        return _view(None, group_id, row)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __contains__(self, group_id: object) -> bool:
+        return group_id in self._rows
+
+    def keys(self) -> KeysView[int]:
+        """The live group ids, in insertion order."""
+        return self._rows.keys()
+
+    def values(self) -> ValuesView[GroupState]:
+        """A view per live group, in insertion order."""
+        return _GroupValues(self)
+
+    def items(self) -> ItemsView[int, GroupState]:
+        """``(group_id, view)`` per live group, in insertion order."""
+        return _GroupItems(self)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, GroupTable):
+            return self._rows == other._rows
+        return super().__eq__(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"GroupTable({dict(self.items())!r})"
+
+    def __copy__(self) -> GroupTable:
+        return _table_of(dict(self._rows))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GroupTable:
+        return _table_of(dict(self._rows))  # rows are immutable atoms: shared, not copied
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_table_of, (dict(self._rows),))
+
+
+def _table_of(rows: dict[int, GroupRow]) -> GroupTable:
+    table = GroupTable()
+    table._rows = rows
+    return table
+
+
+class _GroupValues(ValuesView[GroupState]):
+    __slots__ = ()
+    _mapping: GroupTable
+
+    def __iter__(self) -> Iterator[GroupState]:
+        rows = self._mapping._rows
+        for group_id, row in rows.items():
+            yield _view(rows, group_id, row)
+
+
+class _GroupItems(ItemsView[int, GroupState]):
+    __slots__ = ()
+    _mapping: GroupTable
+
+    def __iter__(self) -> Iterator[tuple[int, GroupState]]:
+        rows = self._mapping._rows
+        for group_id, row in rows.items():
+            yield group_id, _view(rows, group_id, row)
 
 
 @dataclass(slots=True)
@@ -228,7 +578,9 @@ class RunState:
     weight_version: int = 0  # the trainer's
     published_version: int = 0  # what generation serves
     next_group_id: int = 0
-    groups: dict[int, GroupState] = field(default_factory=dict)
+    #: The live groups by id: one untracked row per group (:class:`GroupTable`); a plain
+    #: mapping of groups given here becomes one.
+    groups: GroupTable = field(default_factory=GroupTable)
     #: Ids of the READY groups in commit order (an index of ``groups``, derived from it:
     #: never snapshotted, rebuilt on decode). The ready_first sampler reads its head
     #: instead of scanning a 100k-group buffer; the others scan only the ready groups.
@@ -242,6 +594,11 @@ class RunState:
     checkpoint: CheckpointRef | None = None
     failure: str | None = None  # set when the drop policy "fail" stopped the run
     engines: dict[str, EngineState] = field(default_factory=dict)  # by engine id
+
+    def __post_init__(self) -> None:
+        groups: Mapping[int, GroupState] = self.groups
+        if not isinstance(groups, GroupTable):
+            self.groups = GroupTable(groups)
 
     @property
     def rules(self) -> RolloutConfig:
@@ -272,7 +629,9 @@ class RunState:
         """Groups in any of ``phases`` (all live groups when none given), by group id."""
         if not phases:
             return list(self.groups.values())
-        return [g for g in self.groups.values() if g.phase in phases]
+        wanted = {p.value for p in phases}
+        groups = self.groups
+        return [groups[row[0]] for row in groups.rows() if row[_PHASE_AT] in wanted]
 
     def staleness(self, group: GroupState) -> int:
         """Trainer weight version minus the group's oldest finished sibling version."""
@@ -295,7 +654,7 @@ class RunState:
             if name == "config":
                 data[name] = value.model_dump() if value else None
             elif name == "groups":
-                data[name] = [group_plain(g) for g in value.values()]
+                data[name] = [row_plain(row) for row in value.rows()]
             elif name in ("loans", "engines"):
                 data[name] = [_as_plain(item) for item in value.values()]
             elif name in ("quotas", "batches", "batch_shortfall"):
@@ -307,16 +666,16 @@ class RunState:
     @classmethod
     def from_snapshot(cls, data: dict[str, Any]) -> RunState:
         """Rebuild a state from :meth:`to_snapshot`'s output."""
-        groups = {}
-        for g in data["groups"]:
-            group = GroupState(
+        groups = GroupTable.of_rows(
+            GroupState(
                 **{
                     **{k: v for k, v in g.items() if k != "siblings"},
                     "phase": Phase(g["phase"]),
                     "sibling_rows": tuple([_row_of(s) for s in g["siblings"]]),
                 }
-            )
-            groups[group.group_id] = group
+            )._row
+            for g in data["groups"]
+        )
         return cls(
             run_id=data["run_id"],
             config=RolloutConfig.model_validate(data["config"]) if data["config"] else None,
@@ -348,11 +707,17 @@ class RunState:
         )
 
 
-def ready_index(groups: dict[int, GroupState]) -> dict[int, None]:
+def ready_index(groups: Mapping[int, GroupState]) -> dict[int, None]:
     """The ``RunState.ready`` index of ``groups``: READY group ids in commit order."""
-    ready = [g for g in groups.values() if g.phase is Phase.READY]
-    ready.sort(key=lambda g: (g.ready_order if g.ready_order is not None else -1, g.group_id))
-    return dict.fromkeys(g.group_id for g in ready)
+    rows = groups.rows() if isinstance(groups, GroupTable) else [g.row() for g in groups.values()]
+    ready = [row for row in rows if row[_PHASE_AT] == _READY]
+    ready.sort(key=_ready_key)
+    return dict.fromkeys(row[0] for row in ready)
+
+
+def _ready_key(row: GroupRow) -> tuple[int, int]:
+    order = row[_READY_ORDER_AT]
+    return (order if order is not None else -1, row[0])
 
 
 @functools.lru_cache(maxsize=4)
@@ -384,14 +749,17 @@ _SIBLING_KEYS: tuple[str, ...] = SiblingState._fields
 def group_plain(group: GroupState) -> dict[str, Any]:
     """A group as its snapshot stores it: the fields, and ``siblings`` as a list of
     dicts of :class:`SiblingState`'s fields (the format from before siblings were rows)."""
+    return row_plain(group.row())
+
+
+def row_plain(row: GroupRow) -> dict[str, Any]:
+    """:func:`group_plain` of a group's row (the phase as its value, as JSON has it)."""
     data: dict[str, Any] = {}
-    for name in _field_names(GroupState):
-        if name == "sibling_rows":
-            data["siblings"] = [
-                dict(zip(_SIBLING_KEYS, row, strict=True)) for row in group.sibling_rows
-            ]
+    for i, name in enumerate(GROUP_FIELDS):
+        if i == _SIBLINGS_AT:
+            data["siblings"] = [dict(zip(_SIBLING_KEYS, r, strict=True)) for r in row[_SIBLINGS_AT]]
         else:
-            data[name] = getattr(group, name)
+            data[name] = row[i]
     return data
 
 

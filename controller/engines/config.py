@@ -2,7 +2,9 @@
 
 Exactly one of ``urls`` (engines someone else runs, anywhere on the network) and
 ``launch`` (engines this host starts: locally as processes, or as Ray actors) is set.
-The lead wires :class:`FleetConfig` into the run configuration (``generation.fleet``).
+A run configuration's ``fleet`` section
+(:class:`rolloutlog.grpo.run_config.FleetRunConfig`) is a :class:`FleetConfig` with the
+run's own fields added (and a third source: an ``engines start`` state file).
 """
 
 from __future__ import annotations
@@ -93,6 +95,10 @@ class FleetConfig(BaseModel):
     def _one_source(self) -> FleetConfig:
         if bool(self.urls) == (self.launch is not None):
             raise ValueError("give exactly one of fleet.urls and fleet.launch")
+        return self
+
+    @model_validator(mode="after")
+    def _urls_valid(self) -> FleetConfig:
         bad = [u for u in self.urls if not u.startswith(("http://", "https://"))]
         if bad:
             raise ValueError(f"fleet.urls must be http(s) URLs, got {bad}")

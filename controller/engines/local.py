@@ -15,6 +15,7 @@ SIGKILL after a deadline.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import signal
@@ -102,11 +103,16 @@ def _cpu_args(config: LaunchConfig) -> tuple[str, ...]:
 
 
 def health_ok(url: str, timeout: float = 2.0) -> bool:
-    """One ``GET /health`` probe: True on 200."""
+    """One ``GET /health`` probe: True on 200.
+
+    Anything else that answers is not healthy, including a reply that is not HTTP
+    (``http.client.HTTPException``): e.g. while nothing listens yet on a port of the
+    ephemeral range, the probe's socket can connect to itself (TCP self-connect) and read
+    back its own request line (``BadStatusLine: GET /health HTTP/1.1``)."""
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=timeout) as resp:
             return int(resp.status) == 200
-    except (urllib.error.URLError, OSError, ValueError):
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException):
         return False
 
 
@@ -120,7 +126,13 @@ def _log_tail(path: str, lines: int = 25) -> str:
 class LocalEngineLauncher:
     """Start, watch, kill, restart and stop local engine servers (see the module docs)."""
 
-    def __init__(self, config: LaunchConfig, *, python: str = sys.executable) -> None:
+    def __init__(
+        self, config: LaunchConfig, *, python: str = sys.executable, tethered: bool = False
+    ) -> None:
+        """``tethered``: each server runs under :mod:`~rolloutlog.controller.engines.tether`
+        with this process as its parent, so the servers die with it (a SIGKILLed
+        ``rolloutlog run`` leaves no engine behind); for engines that outlive it, leave
+        it off (``rolloutlog engines start``)."""
         if config.placement != "local":
             raise ValueError(f"placement {config.placement!r}: use the Ray launcher")
         if not (Path(config.model_dir) / "config.json").is_file():
@@ -129,6 +141,7 @@ class LocalEngineLauncher:
         self.python = python
         self.log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="rolloutlog-engines-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.tethered = tethered
         self.engines: list[EngineProcess] = []
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
 
@@ -136,9 +149,15 @@ class LocalEngineLauncher:
         port = self.config.port_base + index
         engine_id = f"engine-{index}"
         log_path = self.log_dir / f"{engine_id}.log"
+        command = server_command(self.config, port, self.python)
+        if self.tethered:
+            command = [
+                sys.executable, "-m", "rolloutlog.controller.engines.tether",
+                str(os.getpid()), str(self.config.stop_timeout_s), "--", *command,
+            ]  # fmt: skip
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
-                server_command(self.config, port, self.python),
+                command,
                 env=server_env(self.config),
                 stdout=log,
                 stderr=subprocess.STDOUT,

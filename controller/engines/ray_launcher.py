@@ -88,6 +88,7 @@ class _EngineActorImpl:
         host = _node_ip()
         config = self.config.model_copy(update={"host": "0.0.0.0"})
         log_dir = Path(self.config.log_dir or tempfile.gettempdir())
+        log_dir.mkdir(parents=True, exist_ok=True)  # on this node, as the local launcher does
         self.log_path = str(log_dir / f"engine-{self.index}.log")
         command = server_command(config, port, self.python or sys.executable)
         tether = [sys.executable, "-m", "rolloutlog.controller.engines.tether"]

@@ -591,8 +591,10 @@ def bench_loop_pause(
     collector: ``max_loop_pause_ms_without_gc_freeze`` is the same figure, kept for
     readers of the JSON (the heap freeze it was compared with is gone). Baselines, same
     run: :func:`encode_snapshot` of the whole state, what a snapshot used to cost inline,
-    and :func:`bench_full_collection`, what a full collection costs with the siblings
-    as rows and as objects of their own.
+    and :func:`bench_full_collection`, what a full collection costs with the groups and
+    siblings as rows, with a tracked object per group, and with the siblings as objects of
+    their own. ``tracked_objects`` counts what the collector tracks in the process with
+    the buffer built (``gc.get_objects()``: the heap of the imports included).
     """
     say = progress or (lambda _msg: None)
     default = _loop_pause_run(root, sizes, say, label="default")
@@ -632,6 +634,9 @@ def _loop_pause_run(
     # The controller must leave the collector as it found it (nothing frozen at open).
     frozen = gc.get_freeze_count()
     _check(frozen == frozen_before, f"{frozen - frozen_before} objects frozen by the open")
+    gc.collect()
+    gc.collect()  # what CPython's own collections do in time: the state's rows untracked
+    tracked_objects = len(gc.get_objects())
     try:
         say(f"loop ({label}): timing the full-state encoding baseline")
         encode_s = []
@@ -658,6 +663,7 @@ def _loop_pause_run(
         "snapshot_interval": interval,
         "snapshots_written": snapshots,
         "frozen_objects": frozen - frozen_before,  # by the controller: none
+        "tracked_objects": tracked_objects,
         "log_events": events,
         "loop_pause_ms": {
             "max": max(pauses) * 1000,
@@ -673,11 +679,14 @@ def _loop_pause_run(
 
 def bench_full_collection(groups: int, group_size: int, say: _ProgressFn) -> dict[str, Any]:
     """How long one full ``gc.collect()`` takes with ``groups`` admitted groups of
-    ``group_size`` siblings held, as the state holds them (``untracked_ms``: each sibling a
-    row CPython untracks itself, so one tracked object per group; see ``GroupState``) and,
-    the baseline in the same run, with every sibling an object of its own in a list of its
-    group (``tracked_ms``: how the state held them before rows, 2 + ``group_size``
-    tracked objects per group). Medians of three collections each."""
+    ``group_size`` siblings held, as the state holds them (``untracked_ms``: each group a
+    row of atoms and sibling rows that CPython untracks itself, so no tracked object per
+    group; see ``GroupTable``) and, the baselines in the same run, with one tracked object
+    per group beside the rows (``group_objects_ms``: a view per group kept alive, as the
+    groups were objects of their own before group rows) and with every sibling an object of
+    its own in a list of its group (``tracked_ms``: how the state held them before sibling
+    rows, 2 + ``group_size`` tracked objects per group). Medians of three collections each;
+    ``*_objects`` count what the collector tracks in the process in each case."""
     say(f"loop: full collections with {size_label(groups)} groups of {group_size}")
     rules = workload_config(1_000, group_size).model_copy(
         update={"lookahead": math.ceil(groups / 1_000), "spare_pool_size": 0}
@@ -698,21 +707,36 @@ def bench_full_collection(groups: int, group_size: int, say: _ProgressFn) -> dic
         return _median(times) * 1000
 
     gc.collect()  # what CPython does on its own: the rows made above are untracked
-    rows = next(iter(state.groups.values())).sibling_rows
-    _check(not gc.is_tracked(rows[0]), "the state's sibling rows are tracked")
+    gc.collect()  # (a group's row once its tuple of sibling rows is)
+    row = state.groups.row(next(iter(state.groups)))
+    _check(not gc.is_tracked(row[4][0]), "the state's sibling rows are tracked")
+    _check(not gc.is_tracked(row), "the state's group rows are tracked")
+    untracked_objects = len(gc.get_objects())
     untracked_ms = collect_ms()
-    # The baseline: each sibling a tracked object (a SiblingState view is a tuple subclass,
+    # Baseline 1: one tracked object per group (a GroupState view, a Python object the
+    # collector tracks, as each group was before group rows), the rows untracked.
+    views = list(state.groups.values())
+    group_objects = len(gc.get_objects())
+    group_objects_ms = collect_ms()
+    del views
+    # Baseline 2: each sibling a tracked object (a SiblingState view is a tuple subclass,
     # which CPython never untracks), in a list per group.
     tracked = {gid: [*g.siblings] for gid, g in state.groups.items()}
     _check(gc.is_tracked(tracked[next(iter(tracked))][0]), "the baseline siblings are untracked")
+    tracked_objects = len(gc.get_objects())
     tracked_ms = collect_ms()
     del tracked
     return {
         "groups": groups,
         "group_size": group_size,
         "untracked_ms": untracked_ms,
+        "group_objects_ms": group_objects_ms,
         "tracked_ms": tracked_ms,
         "tracked_vs_untracked": _ratio(tracked_ms, untracked_ms),
+        "group_objects_vs_untracked": _ratio(group_objects_ms, untracked_ms),
+        "untracked_objects": untracked_objects,
+        "group_objects": group_objects,
+        "tracked_objects": tracked_objects,
     }
 
 

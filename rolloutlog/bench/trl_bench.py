@@ -51,6 +51,7 @@ from rolloutlog.controller.backends.base import (
     SamplingConfig,
     SiblingSpec,
 )
+from rolloutlog.eventstore.errors import RolloutlogError
 
 #: The module that holds rolloutlog's TRL worker (measured when present).
 ROLLOUTLOG_TRL_MODULE = "rolloutlog.integrations.trl"
@@ -60,7 +61,7 @@ ROLLOUTLOG_FACTORY_NAME = "bench_worker_factory"
 GOALS = {"samples_per_s_vs_in_memory_worker": 0.97, "callback_ms_per_step": 1.0}
 
 
-class TrlBenchError(RuntimeError):
+class TrlBenchError(RolloutlogError, RuntimeError):
     """The benchmark could not run (TRL missing, a worker failed)."""
 
 

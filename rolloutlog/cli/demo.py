@@ -296,6 +296,11 @@ def run(config: Path, run_id: str | None, db_url: str | None, resume: bool, as_j
             click.echo(f"step {msg['step']:4d}  reward {msg['reward']:.3f}{extra}")
         elif msg.get("event") == "restored":
             click.echo(f"restored from offset {msg['from_offset']} (epoch {msg['epoch']})")
+        elif msg.get("event") == "engines":
+            for engine in msg["engines"]:
+                click.echo(f"{engine['engine_id']} {engine['url']} (fleet.{msg['source']})")
+        elif msg.get("event") == "engines_not_stopped":
+            click.echo("not stopped: " + "; ".join(msg["engines"]), err=True)
         elif msg.get("event") == "telemetry":
             click.echo(f"serving metrics of run {msg.get('run_id', rid)} at {msg['url']}")
 
@@ -305,12 +310,14 @@ def run(config: Path, run_id: str | None, db_url: str | None, resume: bool, as_j
         from rolloutlog.controller.backends.base import BackendError
         from rolloutlog.controller.backends.model_loader import ModelDirError
         from rolloutlog.controller.domain.errors import DomainError
+        from rolloutlog.controller.engines.local import EngineLaunchError
         from rolloutlog.controller.workloads.rewards import RewardFailureLimitError
         from rolloutlog.eventstore import StoreError
 
         # A log, domain or backend error (e.g. an unreachable backend), a model directory
-        # that cannot be loaded, a run stopped for a reason it names (e.g. a failing
-        # reward) are the user's to fix: one clear line, no traceback. The run is
+        # that cannot be loaded, engines that did not start (named, with their log's
+        # tail), a run stopped for a reason it names (e.g. a failing reward) are the
+        # user's to fix: one clear message, no traceback. The run is
         # restorable from its log. Other stops go through the CLI's generic one-line
         # handler (type, first line, --debug for the traceback).
         if isinstance(
@@ -320,6 +327,7 @@ def run(config: Path, run_id: str | None, db_url: str | None, resume: bool, as_j
             | BackendError
             | ConfigError
             | ModelDirError
+            | EngineLaunchError
             | RewardFailureLimitError,
         ):
             raise click.ClickException(str(exc)) from exc

@@ -22,6 +22,7 @@ import torch
 
 from rolloutlog.controller.backends.base import GenerationBackend
 from rolloutlog.controller.backends.model_loader import load_causal_lm
+from rolloutlog.controller.config import ConfigError
 from rolloutlog.controller.domain.errors import RestoreError
 from rolloutlog.controller.multiturn import MultiTurnPrompts, TrajectoryBackend
 from rolloutlog.controller.rollout_controller import RecoveryReport, RolloutController
@@ -32,6 +33,7 @@ from rolloutlog.eventstore import EpochFencedError, EventStore
 from rolloutlog.grpo.workload import check_model_fits, dataset_prompts, prepare_model_dir
 
 from .fake_fleet import InProcessFakeFleet
+from .fleet_engines import RunEngines, open_engines
 from .multiturn_task import (
     CalculatorEnv,
     CalculatorLedger,
@@ -40,7 +42,7 @@ from .multiturn_task import (
     parse_calls,
     reset_kwargs,
 )
-from .run_config import BackendKind, RunConfig
+from .run_config import NO_ENGINES, BackendKind, RunConfig
 from .toy_task import ToyTask
 from .trainer import GRPOTrainer, TrainSample
 
@@ -98,8 +100,11 @@ def make_backend(
     tokenizer: Any,
     model_dir: Path,
     weight_version: int,
+    *,
+    urls: Sequence[str] | None = None,
 ) -> GenerationBackend:
-    """The configured generation backend, serving ``model``'s weights at ``weight_version``."""
+    """The configured generation backend, serving ``model``'s weights at ``weight_version``
+    (``vllm-fleet``: on the engines at ``urls``, default ``fleet.urls``)."""
     if kind == "torch":
         from rolloutlog.controller.backends.torch_backend import TorchBackend
 
@@ -134,25 +139,22 @@ def make_backend(
             probe_tolerance_nats=cfg.fleet.probe_tolerance_nats,
         )
     if kind == "vllm-fleet":
-        from rolloutlog.controller.backends.fleet import FleetBackend
-        from rolloutlog.controller.backends.vllm_server import VLLMServerBackend
+        from rolloutlog.controller.engines import build_fleet
 
-        if not cfg.fleet.urls:
-            raise ValueError("backend vllm-fleet needs fleet.urls (the engines' base URLs)")
-        from rolloutlog.controller.backends.weight_probe import WeightProbe
-
+        engines = list(cfg.fleet.urls if urls is None else urls)
+        if not engines:
+            raise ConfigError(NO_ENGINES)
         # The fleet starts at version 0, model_dir's weights: it asks each engine which
         # weights it serves and refits the ones that hold others (an earlier run's, a
         # killed epoch's) from model_dir before they serve; a resume then syncs the
-        # restored trainer's weights onto every engine.
-        tolerance = cfg.fleet.probe_tolerance_nats
-        return FleetBackend(
-            [
-                VLLMServerBackend(url, model_dir=model_dir, engine_id=f"engine-{i}")
-                for i, url in enumerate(cfg.fleet.urls)
-            ],
+        # restored trainer's weights onto every engine. Timeouts, health, weights
+        # directory and probe: the fleet section (a FleetConfig).
+        return build_fleet(  # type: ignore[return-value]
+            cfg.fleet,
+            engines,
             model_dir=model_dir,
-            weight_probe=None if tolerance is None else WeightProbe(model_dir, tolerance),
+            max_model_len=cfg.model.max_model_len,
+            seed=cfg.seed,
         )
     from rolloutlog.controller.backends.deterministic_backend import DeterministicBackend
 
@@ -318,6 +320,44 @@ async def run_training(
     else:
         prompts = TokenizedPrompts(ToyTask(cfg.task), tokenizer)
     trainer = GRPOTrainer(model, cfg.trainer, pad_token_id=int(tokenizer.pad_token_id))
+    engines: RunEngines | None = None
+    if cfg.backend == "vllm-fleet":
+        # Before anything is written to the log: engines that do not start leave no run.
+        engines = open_engines(cfg, model_dir)
+        emit(engines.describe())
+    try:
+        return await _train(
+            cfg,
+            run_id=run_id,
+            resume=resume,
+            emit=emit,
+            model_dir=model_dir,
+            tokenizer=tokenizer,
+            prompts=prompts,
+            trainer=trainer,
+            urls=None if engines is None else engines.urls,
+        )
+    finally:
+        if engines is not None:
+            # The engines this run started go with it, however it ends.
+            not_stopped = engines.stop()
+            if not_stopped:
+                emit({"event": "engines_not_stopped", "engines": not_stopped})
+
+
+async def _train(
+    cfg: RunConfig,
+    *,
+    run_id: str,
+    resume: bool,
+    emit: Progress,
+    model_dir: Path,
+    tokenizer: Any,
+    prompts: TokenizedPrompts | PromptDataset,
+    trainer: GRPOTrainer,
+    urls: Sequence[str] | None,
+) -> TrainingResult:
+    """The training of :func:`run_training` once its model, prompts and engines are ready."""
     store = EventStore.open(cfg.store.url)
     recovery: RecoveryReport | None = None
     try:
@@ -356,7 +396,9 @@ async def run_training(
         version = controller.state.weight_version
         multi: TrajectoryBackend | None = None
         try:
-            backend = make_backend(cfg.backend, cfg, trainer.model, tokenizer, model_dir, version)
+            backend = make_backend(
+                cfg.backend, cfg, trainer.model, tokenizer, model_dir, version, urls=urls
+            )
             fleet = backend
             if cfg.multi_turn is not None:
                 multi = multi_turn_backend(cfg, run_id, backend, tokenizer)

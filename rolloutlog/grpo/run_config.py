@@ -7,7 +7,7 @@ anywhere are rejected with their dotted name.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -18,6 +18,7 @@ from rolloutlog.controller.config import (
     TelemetryConfig,
 )
 from rolloutlog.controller.config_loading import load_yaml
+from rolloutlog.controller.engines.config import FleetConfig
 from rolloutlog.controller.multiturn import MultiTurnConfig
 from rolloutlog.controller.rollout_runtime import GenerationConfig
 from rolloutlog.controller.workloads.dataset import DatasetConfig
@@ -48,15 +49,31 @@ class ModelConfig(BaseModel):
     max_model_len: int = Field(64, ge=8, description="Prompt + completion tokens per sibling.")
 
 
-class FleetRunConfig(BaseModel):
-    """Engines of the fleet backends (``fake-fleet``, ``vllm-fleet``)."""
+class FleetRunConfig(FleetConfig):
+    """Engines of the fleet backends (``fake-fleet``, ``vllm-fleet``).
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    A :class:`~rolloutlog.controller.engines.config.FleetConfig` (engine URLs or a
+    ``launch`` section, the weights directory, timeouts, health and probe settings) plus
+    the run's own fields. For ``vllm-fleet`` exactly one source of engines: ``launch``
+    (the run starts them, local or on Ray, and stops them at its end), ``state_file``
+    (the engines ``rolloutlog engines start`` recorded; left running) or ``urls``.
+    In a run's ``launch`` section ``model_dir``, ``max_model_len`` and ``seed`` default to
+    the run's ``model.dir``, ``model.max_model_len`` and ``seed``.
+    """
+
+    # Not strict like the other sections: the inherited fields are tuples and paths.
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     engines: int = Field(2, ge=1, description="fake-fleet: engines started in the process.")
-    urls: list[str] = Field(
-        default_factory=list,
-        description="vllm-fleet: base URLs of running vLLM servers (one engine each).",
+    state_file: Path | None = Field(
+        None,
+        description="vllm-fleet: the state file `rolloutlog engines start` wrote; the run "
+        "uses the engines it records and leaves them running.",
+    )
+    python: str | None = Field(
+        None,
+        description="launch (local placement): interpreter that runs each server (default: "
+        "the run's); on Ray: the actor's.",
     )
     kill_engine_at_step: int | None = Field(
         None,
@@ -67,13 +84,74 @@ class FleetRunConfig(BaseModel):
     latency_s: float = Field(
         0.02, ge=0, description="fake-fleet: seconds each fake engine takes per request."
     )
-    probe_tolerance_nats: float | None = Field(
-        1e-3,
-        gt=0,
-        description="Weight probe: an engine serves a weight version only if a fixed "
-        "prompt's logprobs match the trainer's model of that version within this many "
-        "nats (checked at every join and load); null turns the probe off.",
-    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> FleetRunConfig:  # replaces FleetConfig's: none is allowed here
+        given = [
+            name
+            for name, value in (
+                ("urls", self.urls),
+                ("launch", self.launch),
+                ("state_file", self.state_file),
+            )
+            if value
+        ]
+        if len(given) > 1:
+            raise ValueError(
+                f"give one of fleet.urls, fleet.launch and fleet.state_file, not {given}"
+            )
+        if self.python is not None and self.launch is None:
+            raise ValueError("fleet.python is the interpreter of fleet.launch's servers")
+        return self
+
+    def source(self) -> str | None:
+        """Where a ``vllm-fleet`` run takes its engines from (None: not said)."""
+        if self.launch is not None:
+            return "launch"
+        if self.state_file is not None:
+            return "state_file"
+        return "urls" if self.urls else None
+
+
+#: What a vllm-fleet run without engines is told (checked before the run starts).
+NO_ENGINES = (
+    "backend vllm-fleet needs its engines: fleet.launch (the run starts them and stops "
+    "them at its end: count, placement local or ray, ...), fleet.state_file (the engines "
+    "`rolloutlog engines start` recorded) or fleet.urls (running vLLM servers)"
+)
+
+
+def _launch_defaults(data: Any) -> Any:
+    """Fill a run's ``fleet.launch`` with the run's model directory, context length and
+    seed where it does not say them; refuse a model directory other than the run's."""
+    if not isinstance(data, dict):
+        return data
+    fleet = data.get("fleet")
+    launch = fleet.get("launch") if isinstance(fleet, dict) else None
+    if not isinstance(launch, dict):
+        return data
+    model = data.get("model", {})
+    if isinstance(model, ModelConfig):
+        model_dir, max_len = model.dir, model.max_model_len
+    elif isinstance(model, dict):
+        fields = ModelConfig.model_fields
+        model_dir = model.get("dir", fields["dir"].default)
+        max_len = model.get("max_model_len", fields["max_model_len"].default)
+    else:
+        return data  # validation names it
+    given = launch.get("model_dir")
+    if (
+        given is not None
+        and isinstance(model_dir, str)
+        and Path(str(given)).resolve() != Path(model_dir).resolve()
+    ):
+        raise ValueError(
+            f"fleet.launch.model_dir {given} is not the run's model.dir {model_dir}: "
+            "the engines serve the run's policy (leave model_dir out)"
+        )
+    seed = data.get("seed", RunConfig.model_fields["seed"].default)
+    launch = {"model_dir": model_dir, "max_model_len": max_len, "seed": seed, **launch}
+    return {**data, "fleet": {**fleet, "launch": launch}}
 
 
 class MultiTurnRunConfig(MultiTurnConfig):
@@ -149,6 +227,11 @@ class RunConfig(BaseModel):
         "dataset order. The toy task is never shuffled.",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _launch_serves_the_model(cls, data: Any) -> Any:
+        return _launch_defaults(data)
+
     @model_validator(mode="after")
     def _workload_consistent(self) -> RunConfig:
         if self.reward is not None and self.dataset is None:
@@ -159,15 +242,34 @@ class RunConfig(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _fleet_consistent(self) -> RunConfig:
+        source = self.fleet.source()
+        if source in ("launch", "state_file") and self.backend != "vllm-fleet":
+            raise ValueError(f"fleet.{source} is for backend vllm-fleet (backend: {self.backend})")
+        launch = self.fleet.launch
+        if launch is not None and launch.max_model_len < self.model.max_model_len:
+            raise ValueError(
+                f"fleet.launch.max_model_len {launch.max_model_len} is below model.max_model_len "
+                f"{self.model.max_model_len}: the engines could not serve the run's siblings"
+            )
+        return self
+
 
 def load_run_config(path: Path) -> RunConfig:
-    """Load a YAML run configuration; errors name the offending field."""
+    """Load a YAML run configuration; errors name the offending field.
+
+    A ``vllm-fleet`` run must say where its engines are (the demo, which starts its own,
+    builds its config in code)."""
     cfg = load_yaml(path, RunConfig)
     assert isinstance(cfg, RunConfig)
+    if cfg.backend == "vllm-fleet" and cfg.fleet.source() is None:
+        raise ConfigError(f"invalid configuration in {path}: {NO_ENGINES}")
     return cfg
 
 
 __all__ = [
+    "NO_ENGINES",
     "BackendKind",
     "ConfigError",
     "FleetRunConfig",

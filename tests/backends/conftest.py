@@ -182,6 +182,11 @@ def vllm_fleet_session_backend(
         model_dir=tiny_model_dir,
     )
     run(backend.start())
+    # The session's engines are shared by several clients, each holding its own weights
+    # in turn: this idle fleet must not refit an engine another test restarted (its
+    # monitor would load its own published weights over that test's: two controllers on
+    # one engine, the last load wins; issue 31's "1.7 nats after restart + refit").
+    backend.auto_refit = False
     yield backend
     run(backend.close())
 

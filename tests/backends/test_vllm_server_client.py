@@ -205,3 +205,44 @@ def test_idle_connections_expire_before_the_servers_keep_alive(tiny_model_dir: P
     assert [e.backend.keepalive_expiry for e in fleet.engines] == [1.5, 1.5]  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="keepalive_expiry_s"):
         FleetConfig(urls=("http://a",), keepalive_expiry_s=0)
+
+
+def test_results_are_kept_only_while_the_engine_carries_our_tag(
+    tiny_model_dir: Path, run: Runner
+) -> None:
+    """With ``check_tag_after_serving`` (a fleet's engines) the tag is read after each
+    group: another client's tag means other weights, the results are discarded
+    (retryable) and the weights are unknown; a server that keeps no tag (404) is used
+    as before."""
+    tags = ["default"]
+
+    def completions(req: httpx.Request) -> httpx.Response:
+        tags[0] = "rolloutlog-loading-intruder-0"  # another client loads meanwhile
+        return httpx.Response(200, json=GOOD)
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        if req.url.path == "/weight_info":
+            return httpx.Response(200, json={"weight_version": tags[0]})
+        return inner.handle_request(req)
+
+    inner, _ = scripted(completions)
+    backend = client(httpx.MockTransport(handler), tiny_model_dir)
+    backend.check_tag_after_serving = True
+    run(backend.start())
+    with pytest.raises(EngineStaleError, match="another client loaded weights into it") as raised:
+        run(backend.generate(REQUEST))
+    assert raised.value.retryable is True
+    assert backend.weights_known is False
+
+    untagged, _ = scripted(lambda req: httpx.Response(200, json=GOOD))
+
+    def no_tags(req: httpx.Request) -> httpx.Response:
+        if req.url.path in ("/weight_info", "/update_weight_version"):
+            return httpx.Response(404)
+        return untagged.handle_request(req)
+
+    plain = client(httpx.MockTransport(no_tags), tiny_model_dir)
+    plain.check_tag_after_serving = True
+    run(plain.start())
+    (result,) = run(plain.generate(REQUEST))
+    assert result.token_ids == (5, 2) and plain.tags_supported is False

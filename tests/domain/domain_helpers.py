@@ -345,31 +345,34 @@ class PromptLedger:
 # ---------------------------------------------------------------- controllers
 
 
-def assert_siblings_untracked(state: RunState) -> None:
-    """No collection walks a group's sibling rows or the tuple of them: the state is one
-    walked object per group, not one per sibling.
+def assert_rows_untracked(state: RunState) -> None:
+    """No collection walks a group's row, its tuple of sibling rows or a sibling row: the
+    state's groups cost a full collection nothing per group (the table's one dict of rows
+    aside, which a collection untracks too once it holds only untracked rows).
 
     CPython untracks a tuple when a collection of its generation finds it holds only
-    untracked things: a row at the first, the tuple of rows (which a collection may visit
-    before its rows) at the next. An automatic collection may already have moved the tuple
-    to the oldest generation, so two full collections, not young ones (which made this
-    check depend on when the interpreter last collected). CPython only: other interpreters
-    have no such lists."""
+    untracked things; a collection may visit a tuple before the tuples it holds, so it
+    can take a collection per level (row, tuple of rows, group row). An automatic
+    collection may already have moved a tuple to the oldest generation, so three full
+    collections, not young ones (which made this check depend on when the interpreter
+    last collected). CPython only: other interpreters have no such lists."""
     if platform.python_implementation() != "CPython":
         return
-    gc.collect()
-    gc.collect()
+    for _ in range(3):
+        gc.collect()
     walked: set[int] | None = None
-    for g in state.groups.values():
+    for row in state.groups.rows():
+        gid, sibling_rows = row[0], row[4]
         for what, obj in (
-            ("sibling rows", g.sibling_rows),
-            *((f"sibling {i}", row) for i, row in enumerate(g.sibling_rows)),
+            ("row", row),
+            ("sibling rows", sibling_rows),
+            *((f"sibling {i}", r) for i, r in enumerate(sibling_rows)),
         ):
             if not gc.is_tracked(obj):
                 continue
             if walked is None:
                 walked = {id(o) for o in gc.get_objects()}
-            assert id(obj) not in walked, f"group {g.group_id}'s {what} are walked: {obj}"
+            assert id(obj) not in walked, f"group {gid}'s {what} is walked: {obj}"
 
 
 def store_config(*, snapshot_interval: int = 0, window_ms: float = 0.0) -> StoreConfig:

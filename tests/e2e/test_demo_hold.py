@@ -14,10 +14,10 @@ from rolloutlog.grpo.demo import _run_worker
 from rolloutlog.grpo.run_config import RunConfig
 
 
-def _config(tmp_path: Path) -> RunConfig:
+def _config(tmp_path: Path, steps: int = 12) -> RunConfig:
     return RunConfig.model_validate(
         {
-            "steps": 12,
+            "steps": steps,
             "checkpoint_every": 3,
             "checkpoint_dir": str(tmp_path / "checkpoints"),
             "backend": "deterministic",
@@ -55,7 +55,9 @@ def test_a_slow_demo_still_crashes_the_worker_at_the_planned_step(tmp_path: Path
 
 
 def test_without_a_planned_crash_the_worker_does_not_hold(tmp_path: Path) -> None:
-    cfg = _config(tmp_path)
+    # Past a checkpoint (every 3) to the last step, no hold on the way: 4 steps show it
+    # as 12 did (the steps cost seconds each).
+    cfg = _config(tmp_path, steps=4)
     out = _run_worker(cfg, "r", "fresh", kill_after_step=None, on_message=lambda _m: None)
     assert not out.killed and out.returncode == 0
-    assert [m["event"] for m in out.messages].count("step") == 12
+    assert [m["event"] for m in out.messages].count("step") == 4

@@ -2,7 +2,8 @@
 process the worker started (vLLM's EngineCore and workers, 1.8 GB each) outlives it.
 
 The fast test stands in a tiny worker that starts a helper grandchild (the same
-mechanism as the vLLM engine's processes); the vLLM test runs the real demo once.
+mechanism as the vLLM engine's processes); the vLLM test runs the real demo once, and
+checks the resume on vLLM from its log.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from typing import Any
 
 import pytest
 
+from rolloutlog.controller.domain.events import RunRestored, SiblingDispatched
+from rolloutlog.controller.replay_tool import check_history
+from rolloutlog.controller.rollout_controller import iter_history
+from rolloutlog.eventstore import EventStore
 from rolloutlog.grpo import demo
 from rolloutlog.grpo.run_config import RunConfig
 
@@ -108,7 +113,14 @@ def test_no_process_of_the_worker_survives(
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_demo_vllm_leaves_no_engine_process(tmp_path: Path) -> None:
-    """The real demo with the vLLM backend: after it, nothing of either worker runs."""
+    """The real demo with the vLLM backend: the first worker is SIGKILLed after step 4,
+    the second resumes from the newest checkpoint (step 3) in a fresh engine. After it, nothing of
+    either worker runs; the log is whole, no prompt is lost or trained twice, and the
+    resumed engine served the trainer's checkpointed weights from its first dispatch
+    (``sync_weights`` before the pump started).
+
+    It also stands for ``run_training`` on vLLM with a resume: that test did the same two
+    engine starts with a clean stop instead of a SIGKILL (most of either test's time)."""
     require_vllm()
     db = f"sqlite:///{tmp_path / 'demo.db'}"
     proc = rolloutlog(
@@ -129,6 +141,28 @@ def test_demo_vllm_leaves_no_engine_process(tmp_path: Path) -> None:
     assert proc.returncode == 0, f"demo failed:\n{proc.stdout}\n{proc.stderr[-3000:]}"
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["ok"] is True
+    assert summary["steps_trained"] == 8 and summary["killed_after_step"] == 4
+    assert summary["prompts_lost"] == 0 and summary["prompts_trained_twice"] == 0
+    assert summary["invariant_violations"] == []
     pids = set(summary["worker_pids"])
     assert len(pids) == 2
     assert _survivors(pids) == [], "processes of the demo's workers outlived them"
+
+    with EventStore.open(db) as store:
+        assert check_history(store, summary["run_id"]).violation is None
+        history = list(iter_history(store, summary["run_id"]))
+    restores = [(row.seq, ev) for row, ev in history if isinstance(ev, RunRestored)]
+    assert len(restores) == 1
+    restored_at, restored = restores[0]
+    # From the newest checkpoint the first worker recorded before its kill.
+    newest = max(
+        row.seq for row, ev in history[:restored_at] if ev.event_type == "CheckpointMarked"
+    )
+    assert restored.from_offset == newest == summary["restored_from_offset"]
+    assert restored.checkpoint_weight_version == 3  # the checkpoint after step 3
+    versions = {
+        ev.weight_version
+        for row, ev in history
+        if row.seq > restored_at and isinstance(ev, SiblingDispatched)
+    }
+    assert versions and min(versions) >= restored.checkpoint_weight_version, versions

@@ -232,6 +232,280 @@ def test_a_fingerprint_refusal_suggests_no_option_run_lacks(tmp_path: Path) -> N
     assert "restore(force=True)" in res.output
 
 
+# A stand-in "python" for the engines a run launches: it ignores ``-m vllm...`` and serves
+# the fake HTTP engine (real tensors of the model directory, deterministic generation) on
+# the requested port, so the whole fleet.launch route runs without vLLM.
+FAKE_SERVER = r"""
+import asyncio, json, sys
+from pathlib import Path
+from rolloutlog.controller.backends.deterministic_backend import DeterministicBackend
+from rolloutlog.controller.backends.fake_engine import FakeEngineServer
+args = sys.argv[1:]
+def arg(name):
+    return args[args.index(name) + 1]
+model, port, max_len = Path(arg("--model")), int(arg("--port")), int(arg("--max-model-len"))
+spec = json.loads((model / "config.json").read_text())
+async def main():
+    backend = DeterministicBackend(
+        vocab_size=spec["vocab_size"], max_model_len=max_len, eos_token_id=spec["eos_token_id"]
+    )
+    server = FakeEngineServer(backend, max_model_len=max_len, port=port, model_dir=model)
+    await server.start()
+    await asyncio.Event().wait()
+asyncio.run(main())
+"""
+
+
+# On Ray the server listens on --host (0.0.0.0) and is reached at the node's address.
+ANY_HOST = r"""
+import asyncio
+_start_server = asyncio.start_server
+async def _any_host(cb, host=None, port=None, **kw):
+    return await _start_server(cb, "0.0.0.0", port, **kw)
+asyncio.start_server = _any_host
+"""
+
+
+def _fake_engine_python(tmp_path: Path, any_host: bool = False) -> str:
+    import stat
+    import sys
+
+    script = tmp_path / "fake_server.py"
+    script.write_text((ANY_HOST if any_host else "") + FAKE_SERVER)
+    exe = tmp_path / "python"
+    exe.write_text(f'#!/bin/sh\nshift 2\nexec {sys.executable} {script} "$@"\n')
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    return str(exe)
+
+
+def _free_ports(count: int) -> int:
+    """A base port with ``count`` free ports from it, below the ephemeral range (32768+):
+    a probe of a port there that nothing listens on yet can connect to itself."""
+    import random
+    import socket
+
+    for _ in range(200):
+        base = random.randrange(20000, 32768 - count)
+        try:
+            for i in range(count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", base + i))
+        except OSError:
+            continue
+        return base
+    raise AssertionError("no free ports")
+
+
+def _group_alive(pgid: int) -> bool:
+    import os
+
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+def test_run_launches_its_fleet_and_stops_it(tmp_path: Path) -> None:
+    """``backend: vllm-fleet`` with a ``fleet.launch`` section: the run starts two engines
+    (stand-in servers, each in its own process group), generates on both, and stops them
+    at its end."""
+    fleet = {
+        "launch": {
+            "count": 2,
+            "port_base": _free_ports(2),
+            "ready_timeout_s": 90,
+            "stop_timeout_s": 5,
+            "log_dir": str(tmp_path / "engine-logs"),
+        },
+        "python": _fake_engine_python(tmp_path),
+    }
+    cfg = _config(tmp_path, steps=2, checkpoint_every=2, backend="vllm-fleet", fleet=fleet)
+    done = rolloutlog("run", str(cfg), "--run-id", "f1", "--json", timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    messages = json_lines(done.stdout)
+    engines = next(m for m in messages if m.get("event") == "engines")
+    assert engines["source"] == "launch"
+    assert [e["engine_id"] for e in engines["engines"]] == ["engine-0", "engine-1"]
+    assert messages[-1]["event"] == "summary" and messages[-1]["steps_trained"] == 2
+    assert not any(_group_alive(e["pid"]) for e in engines["engines"])
+    with EventStore.open(f"sqlite:///{tmp_path / 'log.db'}") as store:
+        from rolloutlog.controller.rollout_controller import iter_history
+
+        history = [ev for _row, ev in iter_history(store, "f1")]
+    joined = {ev.engine_id: ev.address for ev in history if ev.event_type == "EngineJoined"}
+    assert joined == {e["engine_id"]: e["url"] for e in engines["engines"]}
+    served = {ev.engine_id for ev in history if ev.event_type == "SiblingCompleted"}
+    assert served == {"engine-0", "engine-1"}
+
+
+def test_run_takes_the_engines_of_a_state_file(tmp_path: Path) -> None:
+    """``fleet.state_file``: the engines ``rolloutlog engines start`` recorded (here two
+    in-process fake engines); the run leaves them running."""
+    import asyncio
+    import json
+
+    from rolloutlog.controller.backends.fake_engine import FakeEngineServer
+    from rolloutlog.grpo.loop import run_training
+    from rolloutlog.grpo.run_config import load_run_config
+    from rolloutlog.grpo.tiny_model import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "tiny-model")
+    state = tmp_path / "engines.json"
+
+    async def scenario() -> list[int]:
+        servers = [
+            FakeEngineServer(
+                DeterministicBackend(vocab_size=55, max_model_len=64, eos_token_id=2),
+                max_model_len=64,
+                model_dir=model_dir,
+            )
+            for _ in range(2)
+        ]
+        for s in servers:
+            await s.start()
+        try:
+            recorded = [{"engine_id": f"engine-{i}", "url": s.url} for i, s in enumerate(servers)]
+            state.write_text(json.dumps({"engines": recorded}))
+            cfg = _config(tmp_path, steps=1, backend="vllm-fleet", fleet={"state_file": str(state)})
+            await run_training(load_run_config(cfg), run_id="s1", resume=False)
+            # Still up: the run does not stop engines it did not start.
+            return [len(s.served_with) for s in servers]
+        finally:
+            for s in servers:
+                await s.stop()
+
+    served = asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert sum(served) > 0
+
+
+@pytest.mark.parametrize(
+    ("fleet", "named"),
+    [
+        ({}, "backend vllm-fleet needs its engines: fleet.launch"),
+        ({"state_file": "nope.json"}, "fleet.state_file nope.json does not exist"),
+        (
+            {"urls": ["http://127.0.0.1:1"], "launch": {"count": 1}},
+            "give one of fleet.urls, fleet.launch and fleet.state_file",
+        ),
+        ({"launch": {"count": 1, "model_dir": "/elsewhere"}}, "is not the run's model.dir"),
+        ({"launch": {"count": 1, "max_model_len": 8}}, "fleet.launch.max_model_len 8"),
+        ({"launch": {"placement": "moon"}}, "fleet.launch.placement"),
+    ],
+)
+def test_a_fleet_section_without_usable_engines_is_refused_up_front(
+    tmp_path: Path, fleet: dict[str, Any], named: str
+) -> None:
+    cfg = _config(tmp_path, steps=1, backend="vllm-fleet", fleet=fleet)
+    res = _cli("run", str(cfg))
+    assert res.exit_code == 1, res.output
+    assert named in res.output
+    assert not (tmp_path / "log.db").exists()  # nothing was started
+
+
+def test_a_launch_section_needs_the_fleet_backend(tmp_path: Path) -> None:
+    res = _cli("run", str(_config(tmp_path, steps=1, fleet={"launch": {"count": 1}})))
+    assert res.exit_code == 1, res.output
+    assert "fleet.launch is for backend vllm-fleet (backend: torch)" in res.output
+
+
+@pytest.mark.slow
+def test_a_sigkilled_run_takes_its_launched_engines_with_it(tmp_path: Path) -> None:
+    """The engines a run launched are tethered to it: SIGKILL of the run (no ``finally``
+    runs) still leaves no engine process behind."""
+    import contextlib
+    import json
+    import os
+    import signal
+    import subprocess
+    import threading
+    import time
+
+    from .conftest import rolloutlog_exe
+
+    fleet = {
+        "launch": {"count": 2, "port_base": _free_ports(2), "ready_timeout_s": 90,
+                   "stop_timeout_s": 3, "log_dir": str(tmp_path / "engine-logs")},
+        "python": _fake_engine_python(tmp_path),
+    }  # fmt: skip
+    cfg = _config(tmp_path, steps=50, backend="vllm-fleet", fleet=fleet)
+    proc = subprocess.Popen(
+        [*rolloutlog_exe(), "run", str(cfg), "--run-id", "k1", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True)
+    reader.start()
+    pgids: list[int] = []
+    try:
+        deadline = time.monotonic() + 180
+        while not any('"event": "step"' in ln for ln in lines):
+            assert proc.poll() is None, lines
+            assert time.monotonic() < deadline, f"no step within 180 s: {lines}"
+            time.sleep(0.2)
+        engines = next(json.loads(ln) for ln in lines if '"event": "engines"' in ln)
+        pgids = [e["pid"] for e in engines["engines"]]
+        assert all(_group_alive(p) for p in pgids)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        # The tether polls its parent every 0.2 s, then SIGTERM, SIGKILL after 3 s.
+        deadline = time.monotonic() + 30
+        while any(_group_alive(p) for p in pgids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [p for p in pgids if _group_alive(p)] == []
+    finally:
+        for pgid in [proc.pid, *pgids]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_run_launches_its_fleet_on_a_ray_cluster(tmp_path: Path) -> None:
+    """``fleet.launch`` with ``placement: ray`` and ``ray_address``: the run starts one
+    engine actor per engine on an existing Ray cluster (a head started here; stand-in
+    servers, no vLLM), trains on them and stops them (the actors and their servers) at
+    its end.
+
+    Not with a real vLLM engine: one vLLM server takes 1.5-4 minutes to answer /health on
+    the shared two-core CI machine (plus the Ray head), far above the 90 s such a test may
+    cost; the Ray launcher's own vLLM test (tests/engines/test_ray_launcher.py) covers
+    vLLM inside an actor, and this test the config route to it."""
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("ray is not installed (extra [ray])")
+    from engines.test_ray_launcher import _processes_running, _ray_head
+
+    from rolloutlog.controller.engines.local import health_ok
+
+    python = _fake_engine_python(tmp_path, any_host=True)
+    with _ray_head(tmp_path) as (address, _head):
+        fleet = {
+            "launch": {"count": 2, "placement": "ray", "ray_address": address,
+                       "ready_timeout_s": 120, "stop_timeout_s": 5,
+                       "log_dir": str(tmp_path / "engine-logs")},
+            "python": python,
+        }  # fmt: skip
+        cfg = _config(tmp_path, steps=2, checkpoint_every=2, backend="vllm-fleet", fleet=fleet)
+        done = rolloutlog("run", str(cfg), "--run-id", "ray1", "--json", timeout=400)
+        assert done.returncode == 0, done.stderr[-3000:]
+        messages = json_lines(done.stdout)
+        engines = next(m for m in messages if m.get("event") == "engines")["engines"]
+        assert [e["engine_id"] for e in engines] == ["engine-0", "engine-1"]
+        assert messages[-1]["event"] == "summary" and messages[-1]["steps_trained"] == 2
+        assert not any(m.get("event") == "engines_not_stopped" for m in messages)
+        assert not any(health_ok(e["url"]) for e in engines)
+        with EventStore.open(f"sqlite:///{tmp_path / 'log.db'}") as store:
+            from rolloutlog.controller.rollout_controller import iter_history
+
+            history = [ev for _row, ev in iter_history(store, "ray1")]
+        served = {ev.engine_id for ev in history if ev.event_type == "SiblingCompleted"}
+        assert served == {"engine-0", "engine-1"}
+    assert _processes_running(str(tmp_path / "fake_server.py")) == []
+
+
 @pytest.mark.slow
 def test_run_multi_turn_config(tmp_path: Path) -> None:
     """``rolloutlog run configs/multi-turn.yaml``: every sibling is a trajectory."""

@@ -272,3 +272,30 @@ def test_cli_engines_restart_errors(tmp_path: Path) -> None:
         main, ["engines", "restart", "--state-file", str(state), "--engine", "engine-9"]
     )
     assert result.exit_code != 0 and "records no engine ['engine-9']" in result.output
+
+
+def test_health_probe_of_a_peer_that_is_not_http_is_not_healthy() -> None:
+    """A reply that is not HTTP (here: the request echoed back, as a TCP self-connect on a
+    port nothing listens on yet reads it) is "not healthy", not an exception that stops
+    the launch."""
+    import socket
+    import threading
+
+    from rolloutlog.controller.engines.local import health_ok
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+
+    def echo() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.sendall(conn.recv(4096))
+
+    thread = threading.Thread(target=echo)
+    thread.start()
+    try:
+        assert health_ok(f"http://127.0.0.1:{server.getsockname()[1]}", timeout=5) is False
+    finally:
+        thread.join(timeout=10)
+        server.close()

@@ -180,19 +180,25 @@ class Worker:
     tails instead of blocking it.
     """
 
-    def __init__(self, url: str, run_id: str, mode: str, steps: int) -> None:
+    def __init__(
+        self, url: str, run_id: str, mode: str, steps: int, forks: ForkServer | None = None
+    ) -> None:
         import subprocess
         import sys
         import threading
 
         self.mode = mode
-        self.proc = subprocess.Popen(
-            [sys.executable, str(KILL_WORKER), url, run_id, mode, str(steps)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
+        self.proc: subprocess.Popen[str] | ForkedProcess
+        if forks is not None:  # forked from a process that has done the imports
+            self.proc = forks.spawn(url, run_id, mode, steps)
+        else:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(KILL_WORKER), url, run_id, mode, str(steps)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
         self.lines: list[str] = []
         self._err_lines: list[str] = []
         self._cond = threading.Condition()
@@ -278,6 +284,10 @@ class Worker:
 
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+        if isinstance(self.proc, ForkedProcess) and self.proc.returncode is None:
+            # Forked a moment ago, it may not lead its own group yet (setsid comes first).
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGKILL)
 
     def acks(self) -> list[int]:
         """Every offset the process reported durable."""
@@ -287,3 +297,164 @@ class Worker:
         """SIGKILL the process and its whole group (test cleanup; idempotent)."""
         self._kill_group()
         self.finish(timeout=30)
+
+
+class ForkedProcess:
+    """A worker forked by a ``ForkServer``: the part of ``subprocess.Popen`` that ``Worker``
+    uses (pid, stdout, stderr, poll, wait, returncode). Its exit status comes from the
+    server, which reaps it."""
+
+    def __init__(self, server: ForkServer, pid: int, stdout: Any, stderr: Any) -> None:
+        self._server = server
+        self.pid = pid
+        self.stdout = stdout
+        self.stderr = stderr
+
+    @property
+    def returncode(self) -> int | None:
+        return self._server.exit_status(self.pid)
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import subprocess
+
+        status = self._server.wait_exit(self.pid, 600.0 if timeout is None else timeout)
+        if status is None:
+            raise subprocess.TimeoutExpired(f"forked worker {self.pid}", timeout or 600.0)
+        return status
+
+
+class ForkServer:
+    """``kill_worker.py --fork-server``: one process that imports torch and rolloutlog once
+    and forks a worker per ``spawn`` (each in its own session). A kill then costs a fork
+    instead of an interpreter's start-up and imports; the worker code and the SIGKILL of a
+    live process are the same. Use as a context manager: leaving it closes the socket, and
+    the server SIGKILLs any worker still running and exits (waited for, with a deadline).
+    """
+
+    def __init__(self, start_timeout: float = 180.0) -> None:
+        import socket
+        import subprocess
+        import sys
+        import threading
+
+        self.start_timeout = start_timeout
+        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(KILL_WORKER), "--fork-server", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+        finally:
+            theirs.close()
+        self._cond = threading.Condition()
+        self._pids: list[int] = []
+        self._exits: dict[int, int] = {}
+        self._closed = False
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self._sock.recv(256).decode()
+            except OSError:
+                msg = ""
+            with self._cond:
+                if not msg:
+                    self._closed = True
+                    self._cond.notify_all()
+                    return
+                kind, *rest = msg.split()
+                if kind == "PID":
+                    self._pids.append(int(rest[0]))
+                else:
+                    self._exits[int(rest[0])] = int(rest[1])
+                self._cond.notify_all()
+
+    def _stderr_tail(self) -> str:
+        if self.proc.poll() is None or self.proc.stderr is None:
+            return "(fork server running)"
+        return f"fork server rc={self.proc.returncode}: {self.proc.stderr.read()[-2000:]!r}"
+
+    def spawn(self, url: str, run_id: str, mode: str, steps: int) -> ForkedProcess:
+        """Fork a worker running ``main(url, run_id, mode, steps)``; its pid once forked."""
+        import json
+        import os
+        import socket
+        import time
+
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            request = json.dumps([url, run_id, mode, steps]).encode()
+            socket.send_fds(self._sock, [request], [out_w, err_w])
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        # The first request waits for the server's imports.
+        deadline = time.monotonic() + self.start_timeout
+        with self._cond:
+            while not self._pids:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    os.close(out_r)
+                    os.close(err_r)
+                    raise AssertionError(
+                        f"the fork server forked no worker within {self.start_timeout}s; "
+                        f"{self._stderr_tail()}"
+                    )
+                self._cond.wait(min(left, 0.2))
+            pid = self._pids.pop(0)
+        return ForkedProcess(self, pid, os.fdopen(out_r), os.fdopen(err_r))
+
+    def exit_status(self, pid: int) -> int | None:
+        with self._cond:
+            return self._exits.get(pid)
+
+    def wait_exit(self, pid: int, timeout: float) -> int | None:
+        """The worker's exit status once the server reaped it; None after ``timeout`` s."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while pid not in self._exits:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    return self._exits.get(pid)
+                self._cond.wait(min(left, 0.2))
+            return self._exits[pid]
+
+    def __enter__(self) -> ForkServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the socket; the server kills what is left and exits (SIGKILL after 30 s)."""
+        import contextlib
+        import os
+        import signal
+        import socket
+        import subprocess
+
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        self._reader.join(timeout=10)
+        self._sock.close()
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()

@@ -9,7 +9,7 @@ import signal
 import time
 
 import pytest
-from reliability_harness import Worker
+from reliability_harness import ForkServer, Worker
 
 from rolloutlog.controller.domain.invariants import check_invariants
 from rolloutlog.controller.replay_tool import check_history
@@ -21,13 +21,13 @@ KILLS = int(os.environ.get("ROLLOUTLOG_KILLS", "100"))
 START_TIMEOUT_S = 180.0
 
 
-def _kill_at_random(url: str, mode: str, rng: random.Random) -> tuple[int, str]:
+def _kill_at_random(url: str, mode: str, rng: random.Random, forks: ForkServer) -> tuple[int, str]:
     """Wait for READY, let it run a random while, SIGKILL it; return the highest ACK.
 
     Every wait has a deadline and a failure names the worker's stderr (a bare
     ``readline()`` once blocked a loaded machine's run until the suite's timeout).
     """
-    worker = Worker(url, "r", mode, 1_000_000)
+    worker = Worker(url, "r", mode, 1_000_000, forks=forks)
     try:
         ready = worker.wait_for("READY", timeout=START_TIMEOUT_S)
         # The kill moment is random on purpose: inside group commits, between them.
@@ -43,22 +43,26 @@ def _kill_at_random(url: str, mode: str, rng: random.Random) -> tuple[int, str]:
 def _kill_loop(url: str, kills: int, seed: int) -> None:
     rng = random.Random(seed)
     highest_ack = 0
-    for i in range(kills):
-        acked, ready = _kill_at_random(url, "start" if i == 0 else "open", rng)
-        highest_ack = max(highest_ack, acked)
-        store = EventStore.open(url)  # every reopen succeeds
-        try:
-            last = store.last_seq("r")
-            assert last >= highest_ack, (
-                f"kill {i}: flush() acknowledged offset {highest_ack} but the log ends at {last}"
-            )
-            seqs = [e.seq for e in store.read("r")]
-            assert seqs == list(range(1, last + 1)), f"kill {i}: the log has gaps"
-            state = replay(store, "r").state
-            check_invariants(state)
-            assert state.epoch == store.get_run("r").current_epoch, ready
-        finally:
-            store.close()
+    # Each worker is forked from one process that did the imports (torch, rolloutlog) once:
+    # a kill no longer pays an interpreter's start-up, the killed process is the same.
+    with ForkServer(start_timeout=START_TIMEOUT_S) as forks:
+        for i in range(kills):
+            acked, ready = _kill_at_random(url, "start" if i == 0 else "open", rng, forks)
+            highest_ack = max(highest_ack, acked)
+            store = EventStore.open(url)  # every reopen succeeds
+            try:
+                last = store.last_seq("r")
+                assert last >= highest_ack, (
+                    f"kill {i}: flush() acknowledged offset {highest_ack} "
+                    f"but the log ends at {last}"
+                )
+                seqs = [e.seq for e in store.read("r")]
+                assert seqs == list(range(1, last + 1)), f"kill {i}: the log has gaps"
+                state = replay(store, "r").state
+                check_invariants(state)
+                assert state.epoch == store.get_run("r").current_epoch, ready
+            finally:
+                store.close()
     store = EventStore.open(url)
     try:
         assert store.get_run("r").current_epoch == kills  # one epoch per process
@@ -93,3 +97,18 @@ def test_a_hung_worker_fails_within_its_deadline(sqlite_url: str) -> None:
     finally:
         worker.kill()
     assert worker.proc.returncode == -signal.SIGKILL
+
+
+def test_a_hung_fork_server_fails_within_its_deadline(sqlite_url: str) -> None:
+    """The kill loop's fork server, hung before it forks, fails the worker's start within
+    its deadline instead of blocking the test (once forked, a worker is waited on as above)."""
+    with ForkServer(start_timeout=1.0) as forks:
+        try:
+            os.kill(forks.proc.pid, signal.SIGSTOP)
+            started = time.monotonic()
+            with pytest.raises(AssertionError, match=r"forked no worker within 1.0s"):
+                Worker(sqlite_url, "r", "start", 1, forks=forks)
+            assert time.monotonic() - started < 10
+        finally:
+            os.killpg(forks.proc.pid, signal.SIGKILL)
+    assert forks.proc.returncode == -signal.SIGKILL
