@@ -36,6 +36,8 @@ MULTI_TURN_RUN: dict[str, Any] = {
         "max_turns": 3,
         "max_tokens_per_turn": 6,
         "max_context_tokens": 64,
+        # A slow calculator: the crash can land between a tool's run and its result.
+        "tool_delay_s": 0.5,
     },
 }
 #: Keys of the multi-turn summary that must be 0 (and ``turns_salvaged`` > 0).

@@ -184,7 +184,7 @@ def multi_turn_backend(
     return TrajectoryBackend(
         inner,
         TextTokenizer(tokenizer),
-        environment_factory=lambda: CalculatorEnv(ledger),
+        environment_factory=lambda: CalculatorEnv(ledger, cfg.multi_turn.tool_delay_s),
         reset_kwargs=reset_kwargs,
         config=cfg.multi_turn,
         parse=parse_calls,

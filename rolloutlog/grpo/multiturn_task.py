@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -110,8 +111,11 @@ class CalculatorEnv:
     trajectory); the same class runs unchanged under TRL's ``environment_factory``.
     """
 
-    def __init__(self, ledger: CalculatorLedger) -> None:
+    def __init__(self, ledger: CalculatorLedger, delay_s: float = 0.0) -> None:
         self.ledger = ledger
+        #: Seconds each run takes after its side effect and before its result (a slow
+        #: tool: the demo's crash lands between the two).
+        self.delay_s = delay_s
         self.a = 0
         self.b = 0
 
@@ -124,6 +128,8 @@ class CalculatorEnv:
         """Compute the question's sum; the result is fed back to the model as ``=N``."""
         result = str(self.a + self.b)
         self.ledger.record(idempotency_key, result)
+        if self.delay_s:
+            time.sleep(self.delay_s)  # a slow tool (it blocks its caller, as TRL's would)
         return f"={result} "
 
     def tool_status(self, name: str, idempotency_key: str) -> str | None:

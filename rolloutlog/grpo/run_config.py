@@ -169,6 +169,12 @@ class MultiTurnRunConfig(MultiTurnConfig):
         description="File where the calculator records each execution (its side effect); "
         "default: checkpoint_dir/<run_id>/calculator-ledger.tsv.",
     )
+    tool_delay_s: float = Field(
+        0.0,
+        ge=0,
+        description="Seconds each calculator run takes after its side effect and before "
+        "its result (a slow tool; the demo sets 0.5 so its crash lands in between).",
+    )
 
 
 class RunConfig(BaseModel):
