@@ -38,6 +38,8 @@ MULTI_TURN_RUN: dict[str, Any] = {
         "max_context_tokens": 64,
         # A slow calculator: the crash can land between a tool's run and its result.
         "tool_delay_s": 0.5,
+        # A slow answer check: every conversation is open a moment after its model call.
+        "answer_delay_s": 0.02,
     },
 }
 #: Keys of the multi-turn summary that must be 0 (and ``turns_salvaged`` > 0).

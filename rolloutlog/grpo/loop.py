@@ -181,10 +181,11 @@ def multi_turn_backend(
     """The trajectory backend of the multi-turn task around ``inner`` (not attached)."""
     assert cfg.multi_turn is not None
     ledger = CalculatorLedger(tool_ledger_path(cfg, run_id))
+    mt = cfg.multi_turn
     return TrajectoryBackend(
         inner,
         TextTokenizer(tokenizer),
-        environment_factory=lambda: CalculatorEnv(ledger, cfg.multi_turn.tool_delay_s),
+        environment_factory=lambda: CalculatorEnv(ledger, mt.tool_delay_s, mt.answer_delay_s),
         reset_kwargs=reset_kwargs,
         config=cfg.multi_turn,
         parse=parse_calls,

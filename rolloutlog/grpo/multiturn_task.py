@@ -111,11 +111,16 @@ class CalculatorEnv:
     trajectory); the same class runs unchanged under TRL's ``environment_factory``.
     """
 
-    def __init__(self, ledger: CalculatorLedger, delay_s: float = 0.0) -> None:
+    def __init__(
+        self, ledger: CalculatorLedger, delay_s: float = 0.0, answer_delay_s: float = 0.0
+    ) -> None:
         self.ledger = ledger
         #: Seconds each run takes after its side effect and before its result (a slow
         #: tool: the demo's crash lands between the two).
         self.delay_s = delay_s
+        #: Seconds scoring an answer takes (a slow environment: the demo's crash lands
+        #: after a durable model call and before the trajectory's end).
+        self.answer_delay_s = answer_delay_s
         self.a = 0
         self.b = 0
 
@@ -139,6 +144,8 @@ class CalculatorEnv:
 
     def step(self, text: str) -> tuple[str | None, float | None, bool]:
         """Score an output that calls no tool: it is the answer; the trajectory ends."""
+        if self.answer_delay_s:
+            time.sleep(self.answer_delay_s)
         return None, answer_reward(text, self.a, self.b), True
 
 

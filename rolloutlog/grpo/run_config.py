@@ -175,6 +175,12 @@ class MultiTurnRunConfig(MultiTurnConfig):
         description="Seconds each calculator run takes after its side effect and before "
         "its result (a slow tool; the demo sets 0.5 so its crash lands in between).",
     )
+    answer_delay_s: float = Field(
+        0.0,
+        ge=0,
+        description="Seconds the environment takes to score an answer (a slow environment; "
+        "the demo sets 0.02 so its crash lands mid-conversation).",
+    )
 
 
 class RunConfig(BaseModel):
