@@ -369,3 +369,39 @@ def test_tiny_policy_learns_the_toy_task(model_dir: Path, one_thread: None) -> N
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last >= 0.8, rewards
     assert last - first >= 0.4, rewards
+
+
+def test_loss_mask_leaves_tool_tokens_untrained(policy, one_thread: None) -> None:
+    """A multi-turn sample's mask (0: tool or environment token) removes those tokens
+    from the loss: what their old logprobs say changes nothing; a mask of ones trains
+    exactly like no mask (single-turn samples are unchanged)."""
+    import copy
+
+    model, tok = policy
+    prompt, comps = [1, 5, 6], ([7, 8, 9, 10], [11, 12, 13, 14])
+    mask = (1, 0, 0, 1)
+
+    def samples(masked_old: float, loss_mask: tuple[int, ...] | None) -> list[TrainSample]:
+        return [
+            TrainSample(0, prompt, comp, [-1.0, masked_old, masked_old, -1.5], float(i), loss_mask)
+            for i, comp in enumerate(comps)
+        ]
+
+    def step(batch: list[TrainSample]) -> tuple[float, int, list[torch.Tensor]]:
+        trainer = GRPOTrainer(copy.deepcopy(model), GRPOConfig(), tok.pad_token_id)
+        stats = trainer.train_step(batch)
+        return stats.loss, stats.tokens, [w for _n, w in trainer.named_weights()]
+
+    loss_a, tokens_a, weights_a = step(samples(-0.1, mask))
+    loss_b, tokens_b, weights_b = step(samples(-9.0, mask))
+    assert tokens_a == tokens_b == 4  # 2 samples x 2 model tokens
+    assert loss_a == pytest.approx(loss_b, abs=1e-7)
+    assert all(torch.equal(a, b) for a, b in zip(weights_a, weights_b, strict=True))
+    # Unmasked, the same old logprobs do change the loss.
+    assert step(samples(-0.1, None))[0] != pytest.approx(step(samples(-9.0, None))[0])
+    loss_none, tokens_none, w_none = step(samples(-0.1, None))
+    loss_ones, tokens_ones, w_ones = step(samples(-0.1, (1, 1, 1, 1)))
+    assert (loss_none, tokens_none) == (loss_ones, tokens_ones) and tokens_none == 8
+    assert all(torch.equal(a, b) for a, b in zip(w_none, w_ones, strict=True))
+    with pytest.raises(ValueError, match="a loss mask of 2 for 4 completion tokens"):
+        step(samples(-0.1, (1, 0)))

@@ -20,8 +20,47 @@ from .common import require_extra
 DEFAULT_DB = "sqlite:///runs/rolloutlog.db"
 
 
+#: The multi-turn demo's run (``--task multi-turn``): configs/multi-turn.yaml's settings.
+MULTI_TURN_RUN: dict[str, Any] = {
+    "rollout": {
+        "group_size": 4,
+        "groups_per_step": 8,
+        "lookahead": 1,
+        "staleness_bound": 1,
+        "spare_pool_size": 2,
+    },
+    "generation": {"max_in_flight_siblings": 64, "max_tokens": 32},
+    "trainer": {"lr": 0.05},
+    "multi_turn": {
+        "task": "calculator",
+        "max_turns": 3,
+        "max_tokens_per_turn": 6,
+        "max_context_tokens": 64,
+        # A slow calculator: the crash can land between a tool's run and its result.
+        "tool_delay_s": 0.5,
+        # A slow answer check: every conversation is open a moment after its model call.
+        "answer_delay_s": 0.02,
+    },
+}
+#: Keys of the multi-turn summary that must be 0 (and ``turns_salvaged`` > 0).
+MULTI_TURN_ZEROS = (
+    "trajectories_lost",
+    "model_calls_regenerated_after_restore",
+    "tool_calls_executed_twice",
+    "prompts_trained_twice",
+)
+
+
 @click.command()
 @shown("--db", "db_url", default=DEFAULT_DB, help="Log database URL.")
+@shown(
+    "--task",
+    type=click.Choice(["toy", "multi-turn"]),
+    default="toy",
+    help="toy: single-turn GRPO on the toy task; multi-turn: the calculator task, each "
+    "sibling a trajectory of model and tool calls, killed mid-conversation (backends "
+    "torch and deterministic).",
+)
 @shown("--steps", default=24, type=click.IntRange(8, 10_000))
 @shown(
     "--backend",
@@ -50,6 +89,7 @@ DEFAULT_DB = "sqlite:///runs/rolloutlog.db"
 @json_option("Print the summary as one JSON object (progress still goes to stderr).")
 def demo(
     db_url: str,
+    task: str,
     steps: int,
     backend: str,
     checkpoint_every: int,
@@ -62,8 +102,19 @@ def demo(
 ) -> None:
     """A small GRPO run on a toy task with a tiny torch policy: checkpoints, a real
     SIGKILL of the worker, a resume from the last checkpoint offset, and a summary
-    checked against the log (no prompt lost, none trained twice)."""
+    checked against the log (no prompt lost, none trained twice). With --task
+    multi-turn, the crash lands mid-conversation and the summary also checks that no
+    trajectory was lost, no model call regenerated and no tool call run twice."""
     require_extra("torch", "rolloutlog demo")
+    if trainer == "trl" and task != "toy":
+        raise click.UsageError(
+            "rolloutlog demo --trainer trl runs the toy task only, not --task " + task
+        )
+    if task == "multi-turn" and (backend not in ("torch", "deterministic") or kill_engine):
+        raise click.UsageError(
+            "rolloutlog demo --task multi-turn runs on --backend torch or deterministic, "
+            "without --kill-engine"
+        )
     if trainer == "trl":
         _trl_demo(db_url, steps, backend, checkpoint_every, workdir, seed, as_json)
         return
@@ -90,6 +141,7 @@ def demo(
             },
             "model": {"dir": str(work / "tiny-model"), "build": "tiny"},
             "store": {"url": db_url},
+            **(MULTI_TURN_RUN if task == "multi-turn" else {}),
         }
     )
     # Progress goes to stderr, also with --json (stdout keeps the one JSON object). On a
@@ -142,6 +194,12 @@ def demo(
         and not summary["invariant_violations"]
         and summary["steps_trained"] == steps
     )
+    if task == "multi-turn":
+        ok = (
+            ok
+            and all(summary[key] == 0 for key in MULTI_TURN_ZEROS)
+            and summary["turns_salvaged"] > 0
+        )
     summary["ok"] = ok
     if as_json:
         click.echo(json.dumps(summary))
@@ -224,6 +282,23 @@ def _print_summary(console: Console, s: dict[str, Any]) -> None:
         (
             "invariants",
             "all hold" if not s["invariant_violations"] else "; ".join(s["invariant_violations"]),
+        ),
+        *(
+            [
+                ("trajectories (lost)", f"{s['trajectories']} ({s['trajectories_lost']})"),
+                ("turns salvaged by the restore", str(s["turns_salvaged"])),
+                (
+                    "model calls (regenerated after restore)",
+                    f"{s['model_calls']} ({s['model_calls_regenerated_after_restore']})",
+                ),
+                (
+                    "tool calls executed (twice)",
+                    f"{s['tool_calls_executed']} ({s['tool_calls_executed_twice']})",
+                ),
+                ("tool calls resolved by status check", str(s["tool_calls_status_checked"])),
+            ]
+            if s.get("task") == "multi-turn"
+            else []
         ),
         ("events in log", str(s["log_events"])),
         ("time", f"{s['seconds']} s"),

@@ -38,6 +38,15 @@ from rolloutlog.controller.domain.events import (
     SiblingDispatched,
 )
 from rolloutlog.controller.domain.invariants import find_violations
+from rolloutlog.controller.domain.trajectory import (
+    TURN_EVENT_TYPES,
+    ModelCallCompleted,
+    ToolCallCompleted,
+    ToolCallFailed,
+    TrajectoryCompleted,
+    TrajectoryResumed,
+    TrajectoryStarted,
+)
 from rolloutlog.controller.prompt_ledger import build_ledger, cross_check
 from rolloutlog.controller.rollout_controller import replay
 from rolloutlog.controller.rollout_index import read_indexed
@@ -152,9 +161,13 @@ def _run_worker(
     kill_after_step: int | None,
     on_message: Callable[[dict[str, Any]], None],
     may_kill: Callable[[], bool] = lambda: True,
+    kill_when: Callable[[], bool] | None = None,
 ) -> WorkerOutcome:
     """Run one worker; SIGKILL its process group after the first step report at or past
-    ``kill_after_step`` for which ``may_kill()`` holds (None: let it finish)."""
+    ``kill_after_step`` for which ``may_kill()`` holds (None: let it finish). With
+    ``kill_when``, from that step report on the demo also asks ``kill_when()`` every
+    few milliseconds while the worker runs, and kills it as soon as it holds (a crash
+    with generation in flight, not at a step boundary)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
     # stderr goes to a file, not a pipe: a chatty worker (vLLM logs a lot) would fill a
     # pipe nobody reads until the end and block forever.
@@ -187,11 +200,16 @@ def _run_worker(
         reader = threading.Thread(target=read_lines, name="demo-worker-stdout", daemon=True)
         reader.start()
         read_all = False
+        armed = False
         try:
             while True:
                 try:
-                    line = lines.get(timeout=0.5)
+                    line = lines.get(timeout=0.02 if armed else 0.5)
                 except queue.Empty:
+                    if armed and kill_when is not None and kill_when():
+                        _kill_group(proc)  # a real crash, mid-step
+                        out.killed = True
+                        break
                     if proc.poll() is not None:
                         _kill_group(proc)  # its leftovers hold the pipe: end them
                     continue
@@ -214,6 +232,7 @@ def _run_worker(
                         _kill_group(proc)
                         out.killed = True
                         break
+                    armed = kill_when is not None
                     _answer(proc)  # not yet: the worker goes on to its next step
         finally:
             if not read_all:
@@ -373,6 +392,111 @@ def engine_summary(log: list[tuple[bool, RolloutEvent]]) -> dict[str, int]:
     }
 
 
+class OpenTrajectoryWatch:
+    """Reads a run's log as it grows (read-only, incrementally): whether it holds a
+    trajectory with a durable model call and no end yet, i.e. a crash now lands
+    mid-conversation."""
+
+    def __init__(self, url: str, run_id: str) -> None:
+        self.url = url
+        self.run_id = run_id
+        self._store: EventStore | None = None
+        self._seq = 0
+        self._turns: set[tuple[int, int]] = set()
+        self._done: set[tuple[int, int]] = set()
+
+    def __call__(self) -> bool:
+        try:
+            if self._store is None:
+                self._store = EventStore.open(self.url, readonly=True)
+            for row in self._store.read(self.run_id, self._seq + 1):
+                self._seq = row.seq
+                if row.type == "ModelCallCompleted":
+                    ev = CODEC.decode(row)
+                    self._turns.add((ev.group_id, ev.sibling))  # type: ignore[attr-defined]
+                elif row.type == "TrajectoryCompleted":
+                    ev = CODEC.decode(row)
+                    self._done.add((ev.group_id, ev.sibling))  # type: ignore[attr-defined]
+        except Exception:  # not created yet, or busy: ask again
+            return False
+        return bool(self._turns - self._done)
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+
+def multi_turn_summary(
+    store: EventStore, run_id: str, ledger_entries: list[tuple[str, str]]
+) -> dict[str, int]:
+    """What the crash and the restore did to the run's conversations, from the whole log
+    (every epoch, abandoned ranges included) and the calculator's own ledger of
+    executions (``key<TAB>result`` per run of the tool).
+
+    - ``trajectories_lost``: trajectories with a durable model call that never completed
+      and whose prompt is neither live at the end, nor dropped or evicted (recorded);
+    - ``model_calls_regenerated_after_restore``: model calls recorded again for a turn
+      that already had one (same group, sibling, prompt and turn);
+    - ``tool_calls_executed_twice``: idempotency keys the tool ran more than once (its
+      ledger), or with more than one result in the log;
+    - ``turns_salvaged``: recorded model calls a restore reused (``TrajectoryResumed``);
+    - ``tool_calls_status_checked``: open tool calls a restore resolved by the tool's
+      status check instead of a run.
+    """
+    state = replay(store, run_id).state
+    ledger = build_ledger(store, run_id)
+    prompt_of: dict[tuple[int, int], tuple[int, int]] = {}
+    calls: dict[tuple[int, int, int, int, int], int] = {}
+    results: dict[str, int] = {}
+    started: set[tuple[int, int, int, int]] = set()
+    with_turns: set[tuple[int, int, int, int]] = set()
+    completed: set[tuple[int, int, int, int]] = set()
+    salvaged = status_checked = 0
+    for row in store.read(run_id):
+        if row.type not in TURN_EVENT_TYPES:
+            continue
+        ev = CODEC.decode(row)
+        key = (ev.group_id, ev.sibling)  # type: ignore[attr-defined]
+        if isinstance(ev, TrajectoryStarted):
+            prompt_of[key] = (ev.data_pass, ev.prompt_index)
+            started.add((*key, *prompt_of[key]))
+            continue
+        prompt = prompt_of.get(key)
+        if prompt is None:
+            continue
+        traj = (*key, *prompt)
+        if isinstance(ev, ModelCallCompleted):
+            turn = (*traj, ev.turn)
+            calls[turn] = calls.get(turn, 0) + 1
+            with_turns.add(traj)
+        elif isinstance(ev, ToolCallCompleted | ToolCallFailed):
+            results[ev.idempotency_key] = results.get(ev.idempotency_key, 0) + 1
+            if isinstance(ev, ToolCallCompleted) and ev.source == "status_check":
+                status_checked += 1
+        elif isinstance(ev, TrajectoryCompleted):
+            completed.add(traj)
+        elif isinstance(ev, TrajectoryResumed):
+            salvaged += ev.model_calls_reused
+    live = {(g.data_pass, g.prompt_index) for g in state.groups.values()}
+    settled = live | ledger.dropped_keys | ledger.evicted_keys
+    lost = [t for t in with_turns - completed if (t[2], t[3]) not in settled]
+    runs: dict[str, int] = {}
+    for key, _result in ledger_entries:
+        runs[key] = runs.get(key, 0) + 1
+    twice = {k for k, n in runs.items() if n > 1} | {k for k, n in results.items() if n > 1}
+    return {
+        "trajectories": len(started),
+        "trajectories_lost": len(lost),
+        "model_calls": sum(calls.values()),
+        "model_calls_regenerated_after_restore": sum(n - 1 for n in calls.values()),
+        "tool_calls_executed": len(ledger_entries),
+        "tool_calls_executed_twice": len(twice),
+        "tool_calls_status_checked": status_checked,
+        "turns_salvaged": salvaged,
+    }
+
+
 def _whole_log(store: EventStore, run_id: str) -> list[tuple[bool, RolloutEvent]]:
     """Every event of the run (abandoned ranges included), each with whether it lies in
     the current history."""
@@ -424,6 +548,9 @@ def run_demo(
                 restarts.append(thread)
 
         def may_kill_worker() -> bool:
+            if watch is not None:
+                # Mid-conversation: a trajectory has durable turns and no end yet.
+                return watch()
             # With an engine kill planned, the worker crash waits until the worker has
             # recorded that engine's loss: killed first, it never would, and the resumed
             # worker would find the engine restarted.
@@ -431,14 +558,20 @@ def run_demo(
                 return True
             return engine_killed.is_set() and _engine_loss_recorded(cfg.store.url, rid)
 
-        first = _run_worker(
-            cfg,
-            rid,
-            "fresh",
-            kill_after_step=kill_at,
-            on_message=first_message,
-            may_kill=may_kill_worker,
-        )
+        watch = None if cfg.multi_turn is None else OpenTrajectoryWatch(cfg.store.url, rid)
+        try:
+            first = _run_worker(
+                cfg,
+                rid,
+                "fresh",
+                kill_after_step=kill_at,
+                on_message=first_message,
+                may_kill=may_kill_worker,
+                kill_when=watch,
+            )
+        finally:
+            if watch is not None:
+                watch.close()
         if not first.killed:
             raise DemoError("the first worker finished before the planned crash")
         for thread in restarts:  # the resumed worker finds every engine up
@@ -461,6 +594,13 @@ def run_demo(
         violations = [str(v) for v in find_violations(state)]
         last_seq = store.last_seq(rid)
         engines = engine_summary(_whole_log(store, rid))
+        multi = None
+        if cfg.multi_turn is not None:
+            from .loop import tool_ledger_path
+            from .multiturn_task import CalculatorLedger
+
+            entries = CalculatorLedger(tool_ledger_path(cfg, rid)).entries()
+            multi = multi_turn_summary(store, rid, entries)
     finally:
         store.close()
     steps = sorted(ledger.step_rewards)
@@ -475,7 +615,11 @@ def run_demo(
         "reward_first": sum(rewards[:k]) / k if k else 0.0,
         "reward_last": sum(rewards[-k:]) / k if k else 0.0,
         "rewards": rewards,
-        "killed_after_step": kill_at,
+        # The last step the first worker reported (a multi-turn crash may come later than
+        # the planned step: it waits for a conversation in flight).
+        "killed_after_step": max(
+            (m["step"] for m in first.messages if m.get("event") == "step"), default=kill_at
+        ),
         "restored_from_offset": restored.get("from_offset"),
         "recovery": {
             key: restored.get(key)
@@ -500,4 +644,5 @@ def run_demo(
         "log_events": last_seq,
         "seconds": round(time.perf_counter() - started, 1),
         "worker_pids": worker_pids,
+        **({} if multi is None else {"task": "multi-turn", **multi}),
     }

@@ -24,6 +24,7 @@ from rolloutlog.controller.backends.base import GenerationBackend
 from rolloutlog.controller.backends.model_loader import load_causal_lm
 from rolloutlog.controller.config import ConfigError
 from rolloutlog.controller.domain.errors import RestoreError
+from rolloutlog.controller.multiturn import MultiTurnPrompts, TrajectoryBackend
 from rolloutlog.controller.rollout_controller import RecoveryReport, RolloutController
 from rolloutlog.controller.rollout_runtime import DataExhaustedError, RolloutRuntime
 from rolloutlog.controller.workloads.dataset import PromptDataset
@@ -33,6 +34,14 @@ from rolloutlog.grpo.workload import check_model_fits, dataset_prompts, prepare_
 
 from .fake_fleet import InProcessFakeFleet
 from .fleet_engines import RunEngines, open_engines
+from .multiturn_task import (
+    CalculatorEnv,
+    CalculatorLedger,
+    CalculatorPrompts,
+    TextTokenizer,
+    parse_calls,
+    reset_kwargs,
+)
 from .run_config import NO_ENGINES, BackendKind, RunConfig
 from .toy_task import ToyTask
 from .trainer import GRPOTrainer, TrainSample
@@ -158,6 +167,31 @@ def make_backend(
     )
 
 
+def tool_ledger_path(cfg: RunConfig, run_id: str) -> Path:
+    """The calculator's execution ledger of a multi-turn run."""
+    assert cfg.multi_turn is not None
+    if cfg.multi_turn.tool_ledger is not None:
+        return Path(cfg.multi_turn.tool_ledger)
+    return checkpoint_dir(cfg, run_id) / "calculator-ledger.tsv"
+
+
+def multi_turn_backend(
+    cfg: RunConfig, run_id: str, inner: GenerationBackend, tokenizer: Any
+) -> TrajectoryBackend:
+    """The trajectory backend of the multi-turn task around ``inner`` (not attached)."""
+    assert cfg.multi_turn is not None
+    ledger = CalculatorLedger(tool_ledger_path(cfg, run_id))
+    mt = cfg.multi_turn
+    return TrajectoryBackend(
+        inner,
+        TextTokenizer(tokenizer),
+        environment_factory=lambda: CalculatorEnv(ledger, mt.tool_delay_s, mt.answer_delay_s),
+        reset_kwargs=reset_kwargs,
+        config=cfg.multi_turn,
+        parse=parse_calls,
+    )
+
+
 @dataclass
 class ModelCheckpoint:
     """A trainer checkpoint stored with the rollout offset it belongs to."""
@@ -279,9 +313,11 @@ async def run_training(
     model_dir = prepare_model_dir(cfg.model)
     model, tokenizer = load_causal_lm(model_dir)
     check_model_fits(cfg, model)
-    prompts: TokenizedPrompts | PromptDataset
+    prompts: TokenizedPrompts | PromptDataset | CalculatorPrompts
     if cfg.dataset is not None:
         prompts = dataset_prompts(cfg, tokenizer, model_dir)
+    elif cfg.multi_turn is not None:
+        prompts = CalculatorPrompts(tokenizer, cfg.multi_turn.num_prompts)
     else:
         prompts = TokenizedPrompts(ToyTask(cfg.task), tokenizer)
     trainer = GRPOTrainer(model, cfg.trainer, pad_token_id=int(tokenizer.pad_token_id))
@@ -359,11 +395,21 @@ async def _train(
             )
         first = controller.state.train_step
         version = controller.state.weight_version
+        multi: TrajectoryBackend | None = None
         try:
             backend = make_backend(
                 cfg.backend, cfg, trainer.model, tokenizer, model_dir, version, urls=urls
             )
-            runtime = RolloutRuntime(controller, backend, prompts, cfg.generation)
+            fleet = backend
+            if cfg.multi_turn is not None:
+                multi = multi_turn_backend(cfg, run_id, backend, tokenizer)
+                multi.attach(controller)  # reads the run's turns (every epoch) first
+                backend = multi
+                runtime = RolloutRuntime(
+                    controller, backend, MultiTurnPrompts(prompts, multi), cfg.generation
+                )
+            else:
+                runtime = RolloutRuntime(controller, backend, prompts, cfg.generation)
         except BaseException:
             # Nothing else owns the controller yet: its commit thread ends here.
             await _close_quietly(None, None, controller, None)
@@ -404,11 +450,9 @@ async def _train(
             exported: Path | None = None
             last = first
             for step in range(first, cfg.steps):
-                if step == cfg.fleet.kill_engine_at_step and isinstance(
-                    backend, InProcessFakeFleet
-                ):
-                    victim = len(backend.servers) - 1
-                    await backend.kill_and_restart(victim)
+                if step == cfg.fleet.kill_engine_at_step and isinstance(fleet, InProcessFakeFleet):
+                    victim = len(fleet.servers) - 1
+                    await fleet.kill_and_restart(victim)
                     emit({"event": "engine_killed", "step": step, "engine": victim})
                 try:
                     batch = await runtime.next_batch(step)
@@ -438,7 +482,17 @@ async def _train(
                     emit({"event": "data_exhausted", "step": step, "message": stopped})
                     break
                 last = step + 1
-                samples = [TrainSample.from_rollout(s) for s in batch.samples]
+                # Multi-turn: tool and environment tokens are not trained (their mask is 0);
+                # the masks are read before report_trained forgets the trajectories.
+                masks = (
+                    [mask for mask, _versions in multi.sample_masks(batch)]
+                    if multi is not None
+                    else [None] * len(batch.samples)
+                )
+                samples = [
+                    TrainSample.from_rollout(s, m)
+                    for s, m in zip(batch.samples, masks, strict=True)
+                ]
                 # An empty batch (every group of the step dropped, recorded as shortfall)
                 # still advances the step and the weight version; it just trains nothing.
                 stats = await asyncio.to_thread(trainer.train_step, samples) if samples else None

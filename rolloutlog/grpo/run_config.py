@@ -19,6 +19,7 @@ from rolloutlog.controller.config import (
 )
 from rolloutlog.controller.config_loading import load_yaml
 from rolloutlog.controller.engines.config import FleetConfig
+from rolloutlog.controller.multiturn import MultiTurnConfig
 from rolloutlog.controller.rollout_runtime import GenerationConfig
 from rolloutlog.controller.workloads.dataset import DatasetConfig
 from rolloutlog.controller.workloads.rewards import RewardConfig
@@ -153,6 +154,35 @@ def _launch_defaults(data: Any) -> Any:
     return {**data, "fleet": {**fleet, "launch": launch}}
 
 
+class MultiTurnRunConfig(MultiTurnConfig):
+    """A multi-turn run (``multi_turn:``): the shipped task and how each trajectory runs
+    (the fields of :class:`~rolloutlog.controller.multiturn.MultiTurnConfig` plus the task's)."""
+
+    task: Literal["calculator"] = Field(
+        "calculator",
+        description="The multi-turn task: calculator (add two digits with a calculator tool; "
+        "rolloutlog.grpo.multiturn_task).",
+    )
+    num_prompts: int = Field(256, ge=1, description="Prompts of the task.")
+    tool_ledger: str | None = Field(
+        None,
+        description="File where the calculator records each execution (its side effect); "
+        "default: checkpoint_dir/<run_id>/calculator-ledger.tsv.",
+    )
+    tool_delay_s: float = Field(
+        0.0,
+        ge=0,
+        description="Seconds each calculator run takes after its side effect and before "
+        "its result (a slow tool; the demo sets 0.5 so its crash lands in between).",
+    )
+    answer_delay_s: float = Field(
+        0.0,
+        ge=0,
+        description="Seconds the environment takes to score an answer (a slow environment; "
+        "the demo sets 0.02 so its crash lands mid-conversation).",
+    )
+
+
 class RunConfig(BaseModel):
     """One training run: rollout rules, log, generation, task, trainer, schedule."""
 
@@ -192,6 +222,11 @@ class RunConfig(BaseModel):
         None, description="Reward of dataset prompts (default when a dataset is set: exact_match)."
     )
     fleet: FleetRunConfig = Field(default_factory=FleetRunConfig)
+    multi_turn: MultiTurnRunConfig | None = Field(
+        None,
+        description="Run the multi-turn task instead of the toy task: each sibling is a "
+        "trajectory of model calls and tool calls (see docs/multi-turn.md).",
+    )
     passes: int = Field(
         1,
         ge=1,
@@ -213,6 +248,10 @@ class RunConfig(BaseModel):
     def _workload_consistent(self) -> RunConfig:
         if self.reward is not None and self.dataset is None:
             raise ValueError("reward is set but dataset is not (the toy task has its own reward)")
+        if self.multi_turn is not None and self.dataset is not None:
+            raise ValueError(
+                "multi_turn and dataset are both set (the multi-turn task has its own prompts)"
+            )
         return self
 
     @model_validator(mode="after")
@@ -247,6 +286,7 @@ __all__ = [
     "ConfigError",
     "FleetRunConfig",
     "ModelConfig",
+    "MultiTurnRunConfig",
     "RunConfig",
     "load_run_config",
 ]

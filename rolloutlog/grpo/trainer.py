@@ -5,6 +5,8 @@ One :meth:`GRPOTrainer.train_step` is one optimizer step on one batch of samples
 - advantages are group-relative: ``A = (r - mean_g) / (std_g + eps)`` over the samples that
   share a ``group_id`` (population std; ``normalize_by_std=False`` keeps ``r - mean_g``), so a
   group whose siblings all scored the same contributes no gradient;
+- a sample's ``loss_mask`` (multi-turn: tool and environment tokens 0) removes tokens
+  from the loss and from the token count it is averaged over;
 - the policy loss is the PPO clipped surrogate
   ``-mean_tokens(min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A))`` with
   ``ratio = exp(new_logprob - old_logprob)``, ``old_logprob`` being what the generator
@@ -73,6 +75,9 @@ class TrainSample:
     completion_token_ids: Sequence[int]
     old_logprobs: Sequence[float]
     reward: float
+    #: Per completion token: 1 trained, 0 not (a multi-turn trajectory's tool and
+    #: environment tokens: ``TrajectoryBackend.sample_masks``); None trains every token.
+    loss_mask: Sequence[int] | None = None
 
     @classmethod
     def from_sibling(
@@ -88,14 +93,18 @@ class TrainSample:
         )
 
     @classmethod
-    def from_rollout(cls, sample: RolloutSample) -> TrainSample:
-        """The sample of one sibling of a durable batch (``RolloutRuntime.next_batch``)."""
+    def from_rollout(
+        cls, sample: RolloutSample, loss_mask: Sequence[int] | None = None
+    ) -> TrainSample:
+        """The sample of one sibling of a durable batch (``RolloutRuntime.next_batch``),
+        with its loss mask when it is a multi-turn trajectory."""
         return cls(
             sample.group_id,
             sample.prompt_token_ids,
             sample.completion_token_ids,
             sample.old_logprobs,
             sample.reward,
+            None if loss_mask is None else tuple(int(m) for m in loss_mask),
         )
 
 
@@ -228,6 +237,11 @@ class GRPOTrainer:
                     f"sample {i} (group {s.group_id}): {len(s.old_logprobs)} old logprobs for "
                     f"{len(c)} completion tokens"
                 )
+            if s.loss_mask is not None and len(s.loss_mask) != len(c):
+                raise ValueError(
+                    f"sample {i} (group {s.group_id}): a loss mask of {len(s.loss_mask)} for "
+                    f"{len(c)} completion tokens"
+                )
             rows.append(p + c)
             prompt_lens.append(len(p))
             comp_lens.append(len(c))
@@ -243,7 +257,11 @@ class GRPOTrainer:
             attention_mask[i, : len(row)] = 1
             target_ids[i, :cl] = torch.tensor(row[pl:], dtype=torch.long)
             gather_pos[i, :cl] = torch.arange(pl - 1, pl - 1 + cl)
-            completion_mask[i, :cl] = 1.0
+            mask = samples[i].loss_mask
+            if mask is None:
+                completion_mask[i, :cl] = 1.0
+            else:
+                completion_mask[i, :cl] = torch.tensor([float(m) for m in mask])
             old[i, :cl] = torch.tensor([float(x) for x in samples[i].old_logprobs])
         # Right padding: real tokens sit at 0..len-1, so positions are a plain count of the
         # real tokens before each one (written out so left-padded callers would also be right).

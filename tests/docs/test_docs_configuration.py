@@ -17,7 +17,7 @@ from rolloutlog.controller.multiturn import MultiTurnConfig
 from rolloutlog.controller.rollout_runtime import GenerationConfig
 from rolloutlog.controller.workloads.dataset import DatasetConfig
 from rolloutlog.controller.workloads.rewards import RewardConfig
-from rolloutlog.grpo.run_config import FleetRunConfig, ModelConfig, RunConfig
+from rolloutlog.grpo.run_config import FleetRunConfig, ModelConfig, MultiTurnRunConfig, RunConfig
 from rolloutlog.grpo.toy_task import ToyTaskConfig
 from rolloutlog.grpo.trainer import GRPOConfig
 
@@ -35,6 +35,7 @@ MODELS: list[type[BaseModel]] = [
     RewardConfig,
     FleetRunConfig,
     MultiTurnConfig,
+    MultiTurnRunConfig,
 ]
 
 

@@ -42,6 +42,8 @@ def test_shipped_configs_are_valid() -> None:
     kinds = {load_run_config(REPO / "configs" / n).backend for n in names}
     assert {"torch", "vllm"} <= kinds
     assert load_run_config(REPO / "configs" / "postgres.yaml").store.url.startswith("postgresql")
+    multi = load_run_config(REPO / "configs" / "multi-turn.yaml").multi_turn
+    assert multi is not None and multi.task == "calculator"
 
 
 @pytest.mark.slow
@@ -502,3 +504,24 @@ def test_run_launches_its_fleet_on_a_ray_cluster(tmp_path: Path) -> None:
         served = {ev.engine_id for ev in history if ev.event_type == "SiblingCompleted"}
         assert served == {"engine-0", "engine-1"}
     assert _processes_running(str(tmp_path / "fake_server.py")) == []
+
+
+@pytest.mark.slow
+def test_run_multi_turn_config(tmp_path: Path) -> None:
+    """``rolloutlog run configs/multi-turn.yaml``: every sibling is a trajectory."""
+    import sqlite3
+
+    cfg = _config(tmp_path, "multi-turn.yaml", steps=3, checkpoint_every=2, export_hf=False)
+    proc = rolloutlog("run", str(cfg), "--run-id", "mt", "--json", timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [m for m in json_lines(proc.stdout) if m.get("event") == "step"]
+    assert [m["step"] for m in steps] == [0, 1, 2]
+    with sqlite3.connect(tmp_path / "log.db") as db:
+        counts = dict(
+            db.execute(
+                "SELECT type, count(*) FROM events WHERE run_id = 'mt' AND type IN "
+                "('TrajectoryCompleted', 'ModelCallCompleted', 'SiblingCompleted') GROUP BY type"
+            ).fetchall()
+        )
+    assert counts["ModelCallCompleted"] >= counts["TrajectoryCompleted"] > 0
+    assert counts["TrajectoryCompleted"] >= counts["SiblingCompleted"]
