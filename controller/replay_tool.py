@@ -88,7 +88,12 @@ def _leads(event: RolloutEvent, current: Decision | None) -> bool:
     if isinstance(event, SiblingDispatched):
         return not (isinstance(lead, SiblingDispatched) and lead.group_id == event.group_id)
     if isinstance(event, SiblingAborted):
-        return not isinstance(lead, WeightsPublished)
+        # A publish aborts the siblings its new version makes stale (decide_publish's
+        # reason); any other abort right after it (the runtime closing, a restore) is a
+        # decision of its own.
+        return not (
+            isinstance(lead, WeightsPublished) and event.reason.startswith("stale weights:")
+        )
     if isinstance(event, GroupEvicted):
         return lead.event_type not in ("WeightsPublished", "GroupEvicted", "RunRestored")
     if isinstance(event, GroupSelected):
