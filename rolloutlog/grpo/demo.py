@@ -290,7 +290,10 @@ def _launch_engines(cfg: RunConfig) -> tuple[RunConfig, Any]:
             seed=cfg.seed,
             # /load reports the requests in flight: the demo kills an engine that has some.
             extra_args=["--enable-server-load-tracking"],
-        )
+        ),
+        # Tied to this process: a demo killed (SIGKILL, an interrupted test) leaves no
+        # engine behind, as `rolloutlog run`'s launched fleet.
+        tethered=True,
     )
     launcher.start(wait=True)  # stops what it started when an engine fails to start
     urls = [e.url for e in launcher.engines]
