@@ -70,19 +70,30 @@ def model_dir(tmp_path: Path) -> Path:
     return d
 
 
-def _free_port() -> int:
+def _free_port(count: int = 2) -> int:
+    """A base port with ``count`` free ports from it (engine i listens on base + i; a
+    base alone once found base + 1 taken: 'Address already in use')."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = int(s.getsockname()[1])
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise AssertionError(f"no {count} consecutive free ports")
 
 
 def _config(model_dir: Path, tmp_path: Path, **kw: object) -> LaunchConfig:
     base = dict(
         count=2,
         model_dir=model_dir,
-        port_base=_free_port(),
+        port_base=_free_port(4),
         ready_timeout_s=30,
         stop_timeout_s=2,
         log_dir=tmp_path / "logs",
