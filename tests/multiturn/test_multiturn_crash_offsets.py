@@ -1,56 +1,50 @@
-"""Crash a multi-turn run at many offsets: for each k the log ends at k (the tools whose
-request is durable by k ran: the harder case, a run without its result), the trainer
-comes back from the newest checkpoint at or before k, and the run finishes. No tool runs
-twice, no completed model call is regenerated, every trajectory's mask and versions
-agree with its turns, and every prompt is trained exactly once."""
+"""Crash a multi-turn run at many offsets, then restore it and let it finish. No tool
+runs twice, no completed model call is regenerated, every trajectory's mask and versions
+agree with its turns, and every prompt is trained exactly once.
+
+- In memory, at every offset k (every 6th; all with ``ROLLOUTLOG_CRASH_ALL=1``): the log
+  a crash at k left (cut from a finished run's log), the tools whose request is durable
+  by k ran (the harder case: a run without its result).
+- On PostgreSQL, at a seeded random sample of offsets (``ROLLOUTLOG_CRASH_SEED``): a live
+  run in a forked child process SIGKILLs itself right after the commit that reaches the
+  offset (the tools it ran are its own), and a fresh controller in this process restores
+  from what PostgreSQL holds.
+
+Both come back from the newest checkpoint in the log.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
-from collections import Counter
+import random
+import signal
+import time
+import traceback
+import warnings
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
-from mt_task import ROLLOUT, RUN, STORE, Ledger, Prompts, runtime, start
-
-from rolloutlog.controller.domain.events import CODEC
-from rolloutlog.controller.domain.invariants import find_violations
-from rolloutlog.controller.domain.trajectory import (
-    TURN_EVENT_TYPES,
-    ModelCallCompleted,
-    ToolCallCompleted,
-    ToolCallFailed,
-    ToolCallRequested,
-    TrajectoryCompleted,
-    fold_trajectories,
+import sqlalchemy as sa
+from mt_crash import (
+    check,
+    drive,
+    failed,
+    model_calls_reused,
+    ran_by_the_crash,
+    run_until_killed,
 )
-from rolloutlog.controller.prompt_ledger import build_ledger, cross_check
-from rolloutlog.controller.rollout_controller import RolloutController, replay
+from mt_task import ROLLOUT, RUN, STORE, Ledger, Prompts, start
+
+from rolloutlog.controller.rollout_controller import RolloutController
 from rolloutlog.controller.rollout_index import attach as attach_index
 from rolloutlog.controller.rollout_index import read_indexed
-from rolloutlog.eventstore import MemoryEventStore, NewEvent, decode_arrays
+from rolloutlog.eventstore import EventStore, MemoryEventStore, NewEvent
 
-WEIGHTS = [("w", torch.zeros(1))]
-STEPS = 3
-
-
-async def _drive(ctl: RolloutController, ledger: Ledger, steps: int) -> None:
-    rt, _, _ = runtime(ctl, ledger)
-    await rt.start()
-    try:
-        await rt.sync_weights(WEIGHTS, ctl.state.weight_version)
-        for step in range(ctl.state.train_step, steps):
-            batch = await rt.next_batch(step, timeout=60)
-            assert all(s.reward == 1.0 for s in batch.samples)
-            await rt.report_trained(step, step + 1)
-            await rt.publish_weights(WEIGHTS, step + 1)
-            await rt.checkpoint(step + 1)
-    finally:
-        await rt.close()
+#: How many offsets the PostgreSQL variant crashes at (each a forked child).
+PG_CRASHES = 6
+WORKER_DEADLINE_S = 120
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +52,7 @@ def base_log(tmp_path_factory: pytest.TempPathFactory) -> MemoryEventStore:
     store = MemoryEventStore()
     ctl = start(store)
     ctl.checkpoint(0)
-    asyncio.run(_drive(ctl, Ledger(tmp_path_factory.mktemp("base") / "ledger.tsv"), STEPS))
+    asyncio.run(drive(ctl, Ledger(tmp_path_factory.mktemp("base") / "ledger.tsv")))
     ctl.close()
     return store
 
@@ -86,55 +80,26 @@ def _crashed_at(base: MemoryEventStore, k: int, ledger: Ledger) -> tuple[MemoryE
         expected_seq=1,
         epoch=1,
     )
-    checkpoint = 0
     for r in base.read(RUN, 1, k):
-        data = json.loads(r.payload)
-        if data.get("payload_id"):
-            pid = data["payload_id"]
+        pid = json.loads(r.payload).get("payload_id")
+        if pid:
             target.put_payload(RUN, pid, "x", base.get_payload(RUN, pid))
-        if r.type == "ToolCallRequested" and data["tool"] == "add":
-            args = data["arguments"]
-            ledger.add(args["a"], args["b"], data["idempotency_key"])  # it ran by the crash
-        if r.type == "CheckpointMarked":
-            checkpoint = r.seq
+    checkpoint = ran_by_the_crash(base.read(RUN, 1, k), ledger)
     assert checkpoint, f"no checkpoint at or before {k}"
     return target, checkpoint
 
 
-def _check(store: MemoryEventStore, ledger: Ledger) -> dict[str, Any]:
-    events = [(r.epoch, CODEC.decode(r)) for r in store.read(RUN) if r.type in TURN_EVENT_TYPES]
-    keys = Counter(k for k, _ in ledger.entries())
-    results = Counter(
-        e.idempotency_key for _, e in events if isinstance(e, ToolCallCompleted | ToolCallFailed)
+def _restore_and_finish(store: object, checkpoint: int, ledger: Ledger) -> None:
+    ctl, _ = RolloutController.restore(
+        store,  # type: ignore[arg-type]
+        RUN,
+        checkpoint,
+        rollout=ROLLOUT,
+        dataset_fingerprint=Prompts.fingerprint,
+        store_config=STORE,
     )
-    calls = Counter(
-        (e.group_id, e.sibling, e.turn) for _, e in events if isinstance(e, ModelCallCompleted)
-    )
-    requested = {e.idempotency_key for _, e in events if isinstance(e, ToolCallRequested)}
-    book = fold_trajectories(events)
-    bad_masks = []
-    for _, ev in events:
-        if isinstance(ev, TrajectoryCompleted):
-            arrays = decode_arrays(store.get_payload(RUN, ev.payload_id))
-            traj = book[(ev.group_id, ev.sibling)]
-            if (
-                arrays["loss_mask"].tolist() != traj.loss_mask()
-                or arrays["weight_versions"].tolist() != traj.token_versions()
-            ):
-                bad_masks.append((ev.group_id, ev.sibling))
-    state = replay(store, RUN).state
-    check = cross_check(build_ledger(store, RUN), state)
-    return {
-        "tools_run_twice": sorted(k for k, n in keys.items() if n > 1),
-        "results_twice": sorted(k for k, n in results.items() if n > 1),
-        "unrequested_runs": sorted(set(keys) - requested),
-        "model_calls_regenerated": sorted(c for c, n in calls.items() if n > 1),
-        "bad_masks": bad_masks,
-        "lost": check.lost,
-        "trained_twice": check.trained_twice,
-        "violations": [str(v) for v in find_violations(state)],
-        "train_step": state.train_step,
-    }
+    asyncio.run(drive(ctl, ledger))
+    ctl.close()
 
 
 def _offsets(base: MemoryEventStore) -> list[int]:
@@ -151,26 +116,83 @@ def test_crash_a_multi_turn_run_at_many_offsets(base_log: MemoryEventStore, tmp_
     for k in offsets:
         ledger = Ledger(tmp_path / f"ledger-{k}.tsv")
         crashed, checkpoint = _crashed_at(base_log, k, ledger)
-        ctl, _ = RolloutController.restore(
-            crashed,
-            RUN,
-            checkpoint,
-            rollout=ROLLOUT,
-            dataset_fingerprint=Prompts.fingerprint,
-            store_config=STORE,
-        )
-        asyncio.run(_drive(ctl, ledger, STEPS))
-        ctl.close()
-        result = _check(crashed, ledger)
-        salvaged += sum(
-            CODEC.decode(r).model_calls_reused  # type: ignore[attr-defined]
-            for r in crashed.read(RUN)
-            if r.type == "TrajectoryResumed"
-        )
-        if (
-            any(v for key, v in result.items() if key != "train_step")
-            or result["train_step"] != STEPS
-        ):
+        _restore_and_finish(crashed, checkpoint, ledger)
+        result = check(crashed, ledger)
+        salvaged += model_calls_reused(crashed)
+        if failed(result):
             failures.append((k, result))
+    assert not failures, failures[:3]
+    assert salvaged > 0  # turns were resumed, not regenerated
+
+
+def _empty_schema(url: str) -> None:
+    engine = sa.create_engine(url, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql("DROP SCHEMA public CASCADE")
+            conn.exec_driver_sql("CREATE SCHEMA public")
+    finally:
+        engine.dispose()
+
+
+def _kill_at(url: str, k: int, ledger: Ledger) -> None:
+    """Run the run on ``url`` in a forked child (its own session; forked, not spawned:
+    the imports are this process's) until it SIGKILLs itself at offset ``k``."""
+    with warnings.catch_warnings():  # torch's idle native threads: fork is safe here
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setsid()
+            run_until_killed(url, ledger, k)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + WORKER_DEADLINE_S
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError(f"the run did not reach offset {k} in {WORKER_DEADLINE_S} s")
+        time.sleep(0.02)
+    code = os.waitstatus_to_exitcode(status)
+    assert code == -signal.SIGKILL, f"the run did not die at {k} (exit {code})"
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+def test_sigkill_a_multi_turn_run_on_postgresql_at_random_offsets(
+    base_log: MemoryEventStore, pg_url: str, tmp_path: Path
+) -> None:
+    seed = int(os.environ.get("ROLLOUTLOG_CRASH_SEED", "34"))
+    # The live run's length varies a little with scheduling: stay inside the shortest.
+    offsets = sorted(
+        random.Random(seed).sample(range(3, base_log.last_seq(RUN) * 9 // 10), PG_CRASHES)
+    )
+    failures = []
+    salvaged = 0
+    for k in offsets:
+        _empty_schema(pg_url)
+        ledger = Ledger(tmp_path / f"ledger-{k}.tsv")
+        _kill_at(pg_url, k, ledger)
+        store = EventStore.open(pg_url)  # a fresh controller, from what PostgreSQL holds
+        try:
+            crashed_at = store.last_seq(RUN)
+            assert crashed_at >= k
+            checkpoint = ran_by_the_crash(store.read(RUN), ledger)
+            assert checkpoint, f"no checkpoint at or before {crashed_at}"
+            _restore_and_finish(store, checkpoint, ledger)
+            result = check(store, ledger)
+            salvaged += model_calls_reused(store)
+        finally:
+            store.close()
+        if failed(result):
+            failures.append((seed, k, crashed_at, result))
     assert not failures, failures[:3]
     assert salvaged > 0  # turns were resumed, not regenerated
