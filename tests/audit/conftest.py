@@ -110,11 +110,10 @@ def mt_run(mt_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bu
         built.audit.close()
 
 
-@pytest.fixture
-def reader_role(audit_run: BuiltRun) -> Iterator[tuple[str, str]]:
+def _reader_role(url: str, dialect: str) -> Iterator[tuple[str, str]]:
     """``(reader URL, role)``: a reader role made by ``rolloutlog db create-reader`` on the
-    scripted run's PostgreSQL database (a unique name, dropped after the test)."""
-    if audit_run.dialect != "postgresql":
+    PostgreSQL database ``url`` (a unique name, dropped afterwards)."""
+    if dialect != "postgresql":
         pytest.skip("reader roles are PostgreSQL's")
     from click.testing import CliRunner
 
@@ -123,9 +122,21 @@ def reader_role(audit_run: BuiltRun) -> Iterator[tuple[str, str]]:
     role = f"rl_reader_{uuid.uuid4().hex[:12]}"
     try:
         result = CliRunner().invoke(
-            main, ["db", "create-reader", audit_run.url, "--role", role], catch_exceptions=False
+            main, ["db", "create-reader", url, "--role", role], catch_exceptions=False
         )
         assert result.exit_code == 0, result.output
         yield result.stdout.strip(), role
     finally:
-        drop_role(audit_run.url, role)
+        drop_role(url, role)
+
+
+@pytest.fixture
+def reader_role(audit_run: BuiltRun) -> Iterator[tuple[str, str]]:
+    """A reader role on the scripted run's PostgreSQL database (:func:`_reader_role`)."""
+    yield from _reader_role(audit_run.url, audit_run.dialect)
+
+
+@pytest.fixture
+def mt_reader_role(mt_run: BuiltMtRun) -> Iterator[tuple[str, str]]:
+    """A reader role on the multi-turn run's PostgreSQL database (:func:`_reader_role`)."""
+    yield from _reader_role(mt_run.url, mt_run.dialect)

@@ -5,11 +5,13 @@ are the views' columns."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -409,6 +411,50 @@ def test_recipe(audit_run: BuiltRun, name: str) -> None:
 @pytest.mark.parametrize("name", sorted(MT_CHECKS))
 def test_multi_turn_recipe(mt_run: BuiltMtRun, name: str) -> None:
     MT_CHECKS[name](mt_run)
+
+
+class _CliAudit:
+    """The recipes as a user runs them: ``rolloutlog audit URL --run R --sql SQL --param
+    NAME=VALUE --json`` (the CLI's read-only audit connection; on PostgreSQL as a reader
+    role made by ``rolloutlog db create-reader``). Stands in for :class:`SqlAudit` in
+    the checks: ``select(sql, params, limit=None).rows``."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.queries = 0
+
+    def select(self, sql: str, params: dict[str, Any], *, limit: int | None) -> Any:
+        assert limit is None
+        from click.testing import CliRunner
+
+        from rolloutlog.cli import main
+
+        args = ["audit", self.url, "--run", str(params["run_id"]), "--sql", sql, "--json"]
+        for key, value in params.items():
+            if key != "run_id":
+                args += ["--param", f"{key}={value}"]
+        result = CliRunner().invoke(main, args, catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        self.queries += 1
+        return SimpleNamespace(rows=json.loads(result.stdout))
+
+
+@pytest.fixture
+def mt_sql_url(mt_run: BuiltMtRun, request: pytest.FixtureRequest) -> str:
+    """The URL a user's ``audit --sql`` runs on: the SQLite file, or a reader role's URL
+    on PostgreSQL."""
+    if mt_run.dialect == "sqlite":
+        return mt_run.url
+    url, _role = request.getfixturevalue("mt_reader_role")
+    return str(url)
+
+
+@pytest.mark.parametrize("name", sorted(MT_CHECKS))
+def test_multi_turn_recipe_through_the_cli(mt_run: BuiltMtRun, mt_sql_url: str, name: str) -> None:
+    """The same checks, each recipe run by ``rolloutlog audit --sql`` as a user would."""
+    cli = _CliAudit(mt_sql_url)
+    MT_CHECKS[name](dataclasses.replace(mt_run, audit=cli))  # type: ignore[arg-type]
+    assert cli.queries > 0
 
 
 def test_documented_columns_are_the_view_columns(audit_run: BuiltRun) -> None:
