@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
+
+log = logging.getLogger(__name__)
 
 
 class Tokenizer(Protocol):
@@ -100,6 +103,17 @@ def idempotent(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
+def with_status(status: StatusCheck) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Give one environment method its status check by idempotency key (instead of the
+    object's ``tool_status``); the method then receives ``idempotency_key=``."""
+
+    def mark(fn: Callable[..., Any]) -> Callable[..., Any]:
+        fn.__rolloutlog_status__ = status  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
 def tool_of(name: str, fn: Callable[..., Any], status: StatusCheck | None = None) -> Tool:
     """A :class:`Tool` for ``fn``: idempotent if marked with :func:`idempotent`."""
     return Tool(
@@ -116,7 +130,7 @@ class StepEnvironment(Protocol):
         ...
 
 
-_NOT_TOOLS = frozenset({"reset", "get_reward", "step", "tool_status"})
+_NOT_TOOLS = frozenset({"reset", "get_reward", "step", "tool_status", "close"})
 
 
 class EnvironmentSession:
@@ -124,9 +138,10 @@ class EnvironmentSession:
     plain tools.
 
     The object's public methods are its tools (TRL's rule), except ``reset``,
-    ``get_reward``, ``step`` and ``tool_status``; ``tool_status(name, key)``, if
-    defined, is the status check of every method tool (which then receives
-    ``idempotency_key=``).
+    ``get_reward``, ``step``, ``tool_status`` and ``close``; ``tool_status(name, key)``,
+    if defined, is the status check of every method tool (which then receives
+    ``idempotency_key=``); a method may carry its own (:func:`with_status`). ``close()``,
+    if defined, is called (and awaited if async) when the trajectory's attempt ends.
     """
 
     def __init__(self, env: object | None = None, tools: Sequence[Tool] = ()) -> None:
@@ -137,7 +152,9 @@ class EnvironmentSession:
             for name, member in inspect.getmembers(env, callable):
                 if name.startswith("_") or name in _NOT_TOOLS:
                     continue
-                check = None if status is None else _bind_status(status, name)
+                check = getattr(member, "__rolloutlog_status__", None)
+                if check is None and status is not None:
+                    check = _bind_status(status, name)
                 self.tools[name] = tool_of(name, member, check)
         for tool in tools:
             if tool.name in self.tools:
@@ -172,6 +189,103 @@ class EnvironmentSession:
         get = getattr(self.env, "get_reward", None)
         return None if get is None else float(get())
 
+    async def close(self) -> None:
+        """The environment's ``close()``, when it has one: the attempt has ended. Its
+        failure is logged, never raised: the trajectory's turns are already durable."""
+        close = getattr(self.env, "close", None)
+        if close is None:
+            return
+        try:
+            out = close()
+            if inspect.isawaitable(out):
+                await out
+        except Exception:
+            log.warning("closing the environment %r failed", self.env, exc_info=True)
+
 
 def _bind_status(status: Callable[[str, str], Any], name: str) -> StatusCheck:
     return lambda key: status(name, key)
+
+
+class VerlToolsEnvironment:
+    """verl's tools as a TRL-shaped environment: the one adapter a verl user writes none of.
+
+    A verl tool (``verl.tools.base_tool.BaseTool``'s shape: a ``name``, and async
+    ``create(instance_id=None, **create_kwargs)`` returning the instance id or ``(id,
+    response)``, ``execute(instance_id, parameters, **execute_kwargs)`` returning
+    ``(response, step_reward, metrics)`` with a text or a ``ToolResponse`` (its
+    ``text``), and ``release(instance_id, **release_kwargs)``) keeps one instance per
+    trajectory. An object of this class is one trajectory's environment, so pass
+    ``environment_factory=lambda: VerlToolsEnvironment(tools, ...)``; each tool is a
+    method of it, named by the tool.
+
+    ``reset(tools_kwargs=...)`` takes verl's per-row ``tools_kwargs`` (``{tool name:
+    {"create_kwargs": ..., "execute_kwargs": ..., "release_kwargs": ...}}``, from the
+    dataset's ``extra_info``), so ``reset_kwargs`` returns ``{"tools_kwargs": ...}``. A
+    tool's instance is created at its first call (``create`` is async), and released
+    by :meth:`close` when the attempt ends. verl tools have no status check and no
+    idempotency promise of their own: ``idempotent`` names those that may run again,
+    ``status`` gives others a check by idempotency key (their ``execute`` then receives
+    ``idempotency_key=`` among its keyword arguments, to remember the call by); any other
+    is never run twice.
+    ``calc_reward`` is not called (it is async; the run's reward function scores the
+    response, as verl's reward manager does).
+    """
+
+    def __init__(
+        self,
+        tools: Sequence[Any],
+        *,
+        idempotent: Sequence[str] = (),
+        status: dict[str, StatusCheck] | None = None,
+    ) -> None:
+        self._tools = {str(t.name): t for t in tools}
+        unknown = (set(idempotent) | set(status or {})) - set(self._tools)
+        if unknown:
+            raise ValueError(
+                f"no verl tool named {sorted(unknown)!r} among {sorted(self._tools)!r}"
+            )
+        if len(self._tools) != len(tools):
+            raise ValueError("two verl tools have the same name")
+        self._kwargs: dict[str, dict[str, Any]] = {}
+        self._instances: dict[str, str] = {}
+        for name in self._tools:
+            if name.startswith("_") or name in _NOT_TOOLS:
+                raise ValueError(f"a verl tool cannot be named {name!r} here")
+            method = self._method(name)
+            if name in idempotent:
+                method.__rolloutlog_idempotent__ = True  # type: ignore[attr-defined]
+            if status and name in status:
+                method = with_status(status[name])(method)
+            setattr(self, name, method)
+
+    def reset(self, tools_kwargs: dict[str, dict[str, Any]] | None = None, **_: Any) -> None:
+        """A trajectory starts (again, after a restore: its instances are new)."""
+        self._kwargs = dict(tools_kwargs or {})
+
+    def _method(self, name: str) -> Callable[..., Any]:
+        async def call(idempotency_key: str | None = None, **parameters: Any) -> str:
+            tool = self._tools[name]
+            kwargs = self._kwargs.get(name, {})
+            instance = self._instances.get(name)
+            if instance is None:
+                created = await tool.create(None, **kwargs.get("create_kwargs", {}))
+                instance = str(created[0] if isinstance(created, tuple) else created)
+                self._instances[name] = instance
+            extra = dict(kwargs.get("execute_kwargs", {}))
+            if idempotency_key is not None:  # a tool with a status check remembers its calls
+                extra["idempotency_key"] = idempotency_key
+            out = await tool.execute(instance, parameters, **extra)
+            response = out[0] if isinstance(out, tuple) else out
+            text = getattr(response, "text", response)
+            return "" if text is None else str(text)
+
+        call.__name__ = name
+        return call
+
+    async def close(self) -> None:
+        """Release this trajectory's tool instances."""
+        instances, self._instances = self._instances, {}
+        for name, instance in instances.items():
+            kwargs = self._kwargs.get(name, {}).get("release_kwargs", {})
+            await self._tools[name].release(instance, **kwargs)

@@ -336,10 +336,18 @@ class TrajectoryBackend:
     async def _run(
         self, request: GroupRequest, spec: SiblingSpec, dispatched: int
     ) -> SiblingResult:
+        session = self._session(request.group_id)
+        try:
+            return await self._run_session(request, spec, dispatched, session)
+        finally:
+            await session.close()
+
+    async def _run_session(
+        self, request: GroupRequest, spec: SiblingSpec, dispatched: int, session: EnvironmentSession
+    ) -> SiblingResult:
         gid, key = request.group_id, (request.group_id, spec.sibling)
         prompt = request.prompt_token_ids
         budget = request.sampling.max_tokens
-        session = self._session(gid)
         traj = self.book.get(key)
         group = self.controller.state.groups[gid]
         if traj is not None and traj.prompt != (group.data_pass, group.prompt_index):
@@ -375,7 +383,7 @@ class TrajectoryBackend:
             self.stats.model_calls_reused += traj.turns
             return self._result_of(request, spec, traj, dispatched, None)
         else:
-            traj = self._resume(spec, gid, traj, session)
+            traj = await self._resume(spec, gid, traj, session)
         while True:
             if self.book[key].turns:
                 finish = await self._answer(request, spec, session)
@@ -410,7 +418,7 @@ class TrajectoryBackend:
             tool_calls_open=len(traj.open_tool_calls()),
         )
 
-    def _resume(
+    async def _resume(
         self, spec: SiblingSpec, gid: int, traj: TrajectoryState, session: EnvironmentSession
     ) -> TrajectoryState:
         """Take the trajectory over under this attempt; rebuild the environment's memory
@@ -425,7 +433,9 @@ class TrajectoryBackend:
             tool = session.tools.get(call.tool)
             if call.status == "completed" and tool is not None and tool.idempotent:
                 try:
-                    tool(call.arguments, call.idempotency_key)
+                    replayed = tool(call.arguments, call.idempotency_key)
+                    if inspect.isawaitable(replayed):  # an async tool (verl's are)
+                        await replayed
                 except Exception:  # its recorded result stands; the replay only rebuilds memory
                     log.debug("replaying idempotent tool %s failed", call.tool, exc_info=True)
         return traj
