@@ -73,6 +73,33 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     return calls
 
 
+#: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``: Hermes, verl's default.
+_HERMES_TAG = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def parse_hermes_tool_calls(text: str) -> list[ToolCall]:
+    """The tool calls of ``text`` in the Hermes protocol (verl's default tool parser,
+    and the chat templates of Qwen and others): ``<tool_call>{"name": NAME,
+    "arguments": {...}}</tool_call>``, the arguments an object or a JSON text. A call
+    that does not parse is passed as the tool ``<unparsed>`` (so the model reads that it
+    failed) instead of being skipped."""
+    calls = []
+    for match in _HERMES_TAG.finditer(text):
+        body = match.group(1)
+        try:
+            data = json.loads(body)
+            arguments = data.get("arguments", {})
+            if isinstance(arguments, str):
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            if not isinstance(data["name"], str) or not isinstance(arguments, dict):
+                raise TypeError(body)
+        except (json.JSONDecodeError, AttributeError, KeyError, TypeError):
+            calls.append(ToolCall("<unparsed>", {"_raw": body}))
+            continue
+        calls.append(ToolCall(data["name"], arguments))
+    return calls
+
+
 #: What a status check answers: the result of the call, or None when it did not run.
 StatusCheck = Callable[[str], Any]
 

@@ -24,7 +24,12 @@ from rolloutlog.controller.domain.trajectory import (
     TrajectoryCompleted,
     TrajectoryResumed,
 )
-from rolloutlog.controller.environments import EnvironmentSession, VerlToolsEnvironment
+from rolloutlog.controller.environments import (
+    EnvironmentSession,
+    ToolCall,
+    VerlToolsEnvironment,
+    parse_hermes_tool_calls,
+)
 from rolloutlog.controller.multiturn import MultiTurnConfig, MultiTurnPrompts, TrajectoryBackend
 from rolloutlog.controller.rollout_controller import RolloutController
 from rolloutlog.controller.rollout_runtime import GenerationConfig, RolloutRuntime
@@ -231,3 +236,18 @@ def test_verl_tools_resume_after_a_crash_inside_a_tool(sqlite_url: str, tmp_path
     assert not add._instance_dict and not submit._instance_dict
     assert len(add.released) == len(add.created) > 0
     assert all(set(kw) == {"a", "b"} for kw in add.created)
+
+
+def test_hermes_tool_calls_are_parsed() -> None:
+    text = (
+        'think <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+        '<tool_call>{"name": "submit", "arguments": "{\\"answer\\": 3}"}</tool_call>'
+        "<tool_call>{not json}</tool_call><tool_call>[1]</tool_call>"
+    )
+    assert parse_hermes_tool_calls(text) == [
+        ToolCall("add", {"a": 1, "b": 2}),
+        ToolCall("submit", {"answer": 3}),
+        ToolCall("<unparsed>", {"_raw": "{not json}"}),
+        ToolCall("<unparsed>", {"_raw": "[1]"}),
+    ]
+    assert parse_hermes_tool_calls("no call") == []
