@@ -115,9 +115,10 @@ class MultiTurnConfig(BaseModel):
     tool_timeout_s: float | None = Field(
         None,
         gt=0,
-        description="Deadline of one tool call, in seconds. A tool past it is recorded as "
-        "failed (ToolCallFailed, outcome 'timeout'; the reason enters the context) and is "
-        "never run again for that call (it may have had effects). An async tool is "
+        description="Deadline of one tool call (and of one status check), in seconds. A "
+        "tool past it is recorded as failed (ToolCallFailed, outcome 'timeout'; the reason "
+        "enters the context) and is never run again for that call (it may have had "
+        "effects); so is a call whose status check does not answer in time. An async tool is "
         "cancelled at the deadline; a synchronous one runs in a daemon thread, abandoned "
         "at the deadline (Python cannot stop a thread; a late result is dropped). None: "
         "no deadline, and a synchronous tool runs on the event loop.",
@@ -609,9 +610,20 @@ class TrajectoryBackend:
         tool's status, re-run an idempotent tool, or refuse to run it twice."""
         if tool is not None and tool.status is not None:
             started = time.perf_counter()
-            result = tool.status(key)
-            if inspect.isawaitable(result):
-                result = await result
+            status = tool.status
+            try:
+                result = await self._call_tool(
+                    lambda: status(key), inspect.iscoroutinefunction(status), f"{call.name}-status"
+                )
+            except _ToolDeadline:
+                self.stats.tool_calls_timed_out += 1
+                reason = (
+                    f"the status check of tool {call.name!r} did not answer within "
+                    f"{self.config.tool_timeout_s} s (tool_timeout_s); the call may have run, "
+                    "so it is not run again"
+                )
+                self._tool_failure(spec, gid, turn, key, reason, "timeout", started, left)
+                return
             self.stats.tool_calls_status_checked += 1
             if result is not None:
                 self._tool_result(spec, gid, turn, key, str(result), started, left, "status_check")
@@ -645,7 +657,9 @@ class TrajectoryBackend:
             )
             return
         try:
-            result = await self._call_tool(tool, call, key)
+            result = await self._call_tool(
+                lambda: tool(call.arguments, key), inspect.iscoroutinefunction(tool.fn), call.name
+            )
         except _ToolDeadline:
             self.stats.tool_calls_run += 1
             self.stats.tool_calls_timed_out += 1
@@ -664,14 +678,14 @@ class TrajectoryBackend:
         self.stats.tool_calls_run += 1
         self._tool_result(spec, gid, turn, key, str(result), started, left, "call")
 
-    async def _call_tool(self, tool: Tool, call: ToolCall, key: str) -> Any:
-        """Run the tool; with ``tool_timeout_s``, raise :class:`_ToolDeadline` past it."""
-        timeout = self.config.tool_timeout_s
-        if timeout is None:
-            result = tool(call.arguments, key)
+    async def _call_tool(self, fn: Callable[[], Any], is_async: bool, name: str) -> Any:
+        """Run ``fn`` (a tool call or status check); with ``tool_timeout_s``, raise
+        :class:`_ToolDeadline` past it."""
+        if self.config.tool_timeout_s is None:
+            result = fn()
             return await result if inspect.isawaitable(result) else result
-        if inspect.iscoroutinefunction(tool.fn):
-            return await self._by_deadline(asyncio.ensure_future(tool(call.arguments, key)))
+        if is_async:
+            return await self._by_deadline(asyncio.ensure_future(fn()))
         # A synchronous tool cannot be interrupted: it runs in a daemon thread, so one that
         # hangs neither blocks the loop nor keeps the process alive at exit.
         loop = asyncio.get_running_loop()
@@ -688,14 +702,17 @@ class TrajectoryBackend:
         def run() -> None:
             value, error = None, None
             try:
-                value = tool(call.arguments, key)
+                value = fn()
             except BaseException as exc:  # handed to the awaiting coroutine
                 error = exc
             with contextlib.suppress(RuntimeError):  # the loop closed: no one waits
                 loop.call_soon_threadsafe(settle, value, error)
 
-        threading.Thread(target=run, name=f"rolloutlog-tool-{call.name}", daemon=True).start()
-        return await self._by_deadline(done)
+        threading.Thread(target=run, name=f"rolloutlog-tool-{name}", daemon=True).start()
+        result = await self._by_deadline(done)
+        if inspect.isawaitable(result):  # a wrapper that returned a coroutine
+            result = await self._by_deadline(asyncio.ensure_future(result))
+        return result
 
     async def _by_deadline(self, running: asyncio.Future[Any]) -> Any:
         """``running``'s result, or :class:`_ToolDeadline` (``running`` cancelled) past

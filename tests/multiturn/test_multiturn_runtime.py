@@ -496,6 +496,75 @@ def test_a_tool_that_hangs_past_its_deadline_is_recorded_failed_not_run_again(
     store.close()
 
 
+def test_a_status_check_that_hangs_past_the_deadline_is_a_recorded_refusal(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    """The process dies inside a tool with a status check; on the takeover the status
+    check hangs: past ``tool_timeout_s`` the call is recorded as failed (``timeout``),
+    not run again (it may have run)."""
+    import threading
+
+    from rolloutlog.controller.environments import Tool
+    from rolloutlog.controller.rollout_controller import RolloutController
+
+    runs: list[str] = []
+    release = threading.Event()
+
+    class Crash(BaseException):
+        """Stands for the process dying inside the tool."""
+
+    def add(a: int, b: int, idempotency_key: str) -> str:
+        runs.append(idempotency_key)
+        if len(runs) == 1:
+            raise Crash
+        return str(a + b)
+
+    def status(idempotency_key: str) -> str | None:
+        release.wait(60)  # hangs until the test ends
+        return None
+
+    store = EventStore.open(sqlite_url)
+    ctl = start(store)
+
+    async def first() -> None:
+        rt, multi, _ = runtime(ctl, Ledger(tmp_path / "unused"))
+        multi.tools = (Tool("add", add, status=status),)
+        await rt.start()
+        try:
+            with pytest.raises(Exception, match="pump"):
+                await rt.next_batch(0, timeout=60)
+        finally:
+            await rt.close()
+
+    asyncio.run(first())
+    ctl.close()
+    ctl = RolloutController.open(store, RUN)
+
+    async def second() -> Any:
+        rt, multi, _ = runtime(ctl, Ledger(tmp_path / "unused"), multi_turn={"tool_timeout_s": 0.5})
+        multi.tools = (Tool("add", add, status=status),)
+        await rt.start()
+        try:
+            await rt.next_batch(0, timeout=60)
+        finally:
+            await rt.close()
+        return multi.stats
+
+    try:
+        stats = asyncio.run(second())
+    finally:
+        release.set()
+    ctl.close()
+    events = [e for _, e in _turn_events(store)]
+    failed = [e for e in events if type(e).__name__ == "ToolCallFailed"]
+    assert [e.outcome for e in failed] == ["timeout"] and stats.tool_calls_timed_out == 1
+    assert "status check" in failed[0].reason and failed[0].idempotency_key == runs[0]
+    requested = [e.idempotency_key for e in events if type(e).__name__ == "ToolCallRequested"]
+    adds = [k for k in requested if k.endswith("/t0/c0")]
+    assert sorted(runs) == sorted(adds)  # each add call ran once, the interrupted one too
+    store.close()
+
+
 def test_attach_reads_only_the_trajectories_a_dispatch_can_reach(
     db_url: str, tmp_path: Path
 ) -> None:
