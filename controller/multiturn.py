@@ -34,8 +34,10 @@ environment tokens); :class:`MultiTurnConfig` bounds each model call and the tur
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -100,6 +102,27 @@ class MultiTurnConfig(BaseModel):
         "tokens it generates: the engine's max_model_len. A trajectory that reaches it ends "
         "(finish 'context_full'); None: only the response budget (max_tokens) bounds it.",
     )
+    model_call_retries: int = Field(
+        2,
+        ge=0,
+        description="Times one model call that failed retryably (its engine lost, "
+        "unreachable or stale) is sent again within the same sibling attempt: the inner "
+        "backend routes it to another engine and the turns already recorded stay; each "
+        "failed try is recorded on the call's ModelCallCompleted (failed_tries). Past it "
+        "the attempt fails (retryable) and the runtime's next attempt resumes the "
+        "trajectory after its last durable turn.",
+    )
+    tool_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Deadline of one tool call (and of one status check), in seconds. A "
+        "tool past it is recorded as failed (ToolCallFailed, outcome 'timeout'; the reason "
+        "enters the context) and is never run again for that call (it may have had "
+        "effects); so is a call whose status check does not answer in time. An async tool is "
+        "cancelled at the deadline; a synchronous one runs in a daemon thread, abandoned "
+        "at the deadline (Python cannot stop a thread; a late result is dropped). None: "
+        "no deadline, and a synchronous tool runs on the event loop.",
+    )
 
 
 @dataclass
@@ -108,10 +131,12 @@ class MultiTurnStats:
 
     model_calls: int = 0
     model_calls_reused: int = 0
+    model_calls_retried: int = 0
     tool_calls_run: int = 0
     tool_results_reused: int = 0
     tool_calls_status_checked: int = 0
     tool_calls_not_rerun: int = 0
+    tool_calls_timed_out: int = 0
     trajectories_resumed: int = 0
     trajectories_completed: int = 0
     late_results_refused: int = 0
@@ -128,10 +153,15 @@ class _Late(Exception):
     """The attempt lost the sibling while it ran; the result was refused and recorded."""
 
 
+class _ToolDeadline(Exception):
+    """A tool call did not answer within ``tool_timeout_s``."""
+
+
 class TrajectoryBackend:
     """A generation backend running each sibling as a multi-turn trajectory (see module)."""
 
     name = "multi-turn"
+    adopt_membership_recorder: Callable[[Any], bool]
 
     def __init__(
         self,
@@ -164,6 +194,12 @@ class TrajectoryBackend:
         self._arrays: dict[str, dict[str, list[Any]]] = {}
         self._held: dict[tuple[int, int], list[str]] = {}
         self._generates = 0
+        # A wrapped fleet's engines join and leave during the run: the runtime offers its
+        # membership recorder to whatever it drives (``RecordsEngineMembership``), so the
+        # inner backend's hook is exposed here (an instance attribute: only when it has one).
+        adopt = getattr(inner, "adopt_membership_recorder", None)
+        if adopt is not None:
+            self.adopt_membership_recorder = adopt
 
     # ------------------------------------------------------------ wiring
     def attach(self, controller: RolloutController) -> None:
@@ -450,7 +486,27 @@ class TrajectoryBackend:
             top_p=request.sampling.top_p,
         )
         turn_request = GroupRequest(request.group_id, tuple(context), (spec,), sampling)
-        (res,) = await self.inner.generate(turn_request)
+        failed: list[str] = []
+        while True:
+            try:
+                (res,) = await self.inner.generate(turn_request)
+                break
+            except BackendAbortedError:
+                raise  # asked for (a publish, an eviction, close): not the engine's fault
+            except BackendError as exc:
+                # The engine was lost mid-call (or could not be reached): only this turn's
+                # call goes again, within the attempt; the recorded turns stay as they are.
+                if not exc.retryable or len(failed) >= self.config.model_call_retries:
+                    raise
+                failed.append(f"{type(exc).__name__}: {exc}"[:500])
+                self.stats.model_calls_retried += 1
+                log.info(
+                    "group %d sibling %d turn %d: model call failed (%s); sent again",
+                    request.group_id,
+                    spec.sibling,
+                    traj.turns,
+                    exc,
+                )
         pid = self._payload_id(spec, request.group_id, f"t{traj.turns}")
         data = encode_arrays({"token_ids": list(res.token_ids), "logprobs": list(res.logprobs)})
         self._record(
@@ -465,6 +521,7 @@ class TrajectoryBackend:
                 payload_id=pid,
                 finish_reason=res.finish_reason,
                 engine_id=res.engine_id,
+                failed_tries=tuple(failed),
             ),
             PayloadPut(pid, "model_call", data),
         )
@@ -563,9 +620,20 @@ class TrajectoryBackend:
         tool's status, re-run an idempotent tool, or refuse to run it twice."""
         if tool is not None and tool.status is not None:
             started = time.perf_counter()
-            result = tool.status(key)
-            if inspect.isawaitable(result):
-                result = await result
+            status = tool.status
+            try:
+                result = await self._call_tool(
+                    lambda: status(key), inspect.iscoroutinefunction(status), f"{call.name}-status"
+                )
+            except _ToolDeadline:
+                self.stats.tool_calls_timed_out += 1
+                reason = (
+                    f"the status check of tool {call.name!r} did not answer within "
+                    f"{self.config.tool_timeout_s} s (tool_timeout_s); the call may have run, "
+                    "so it is not run again"
+                )
+                self._tool_failure(spec, gid, turn, key, reason, "timeout", started, left)
+                return
             self.stats.tool_calls_status_checked += 1
             if result is not None:
                 self._tool_result(spec, gid, turn, key, str(result), started, left, "status_check")
@@ -599,9 +667,18 @@ class TrajectoryBackend:
             )
             return
         try:
-            result = tool(call.arguments, key)
-            if inspect.isawaitable(result):
-                result = await result
+            result = await self._call_tool(
+                lambda: tool(call.arguments, key), inspect.iscoroutinefunction(tool.fn), call.name
+            )
+        except _ToolDeadline:
+            self.stats.tool_calls_run += 1
+            self.stats.tool_calls_timed_out += 1
+            reason = (
+                f"tool {call.name!r} did not answer within {self.config.tool_timeout_s} s "
+                "(tool_timeout_s); it may have had effects, so it is not run again"
+            )
+            self._tool_failure(spec, gid, turn, key, reason, "timeout", started, left)
+            return
         except Exception as exc:
             self.stats.tool_calls_run += 1
             self._tool_failure(
@@ -610,6 +687,57 @@ class TrajectoryBackend:
             return
         self.stats.tool_calls_run += 1
         self._tool_result(spec, gid, turn, key, str(result), started, left, "call")
+
+    async def _call_tool(self, fn: Callable[[], Any], is_async: bool, name: str) -> Any:
+        """Run ``fn`` (a tool call or status check); with ``tool_timeout_s``, raise
+        :class:`_ToolDeadline` past it."""
+        if self.config.tool_timeout_s is None:
+            result = fn()
+            return await result if inspect.isawaitable(result) else result
+        if is_async:
+            return await self._by_deadline(asyncio.ensure_future(fn()))
+        # A synchronous tool cannot be interrupted: it runs in a daemon thread, so one that
+        # hangs neither blocks the loop nor keeps the process alive at exit.
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Any] = loop.create_future()
+
+        def settle(value: Any, error: BaseException | None) -> None:
+            if done.done():  # abandoned at the deadline: the late result is dropped
+                return
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(value)
+
+        def run() -> None:
+            value, error = None, None
+            try:
+                value = fn()
+            except BaseException as exc:  # handed to the awaiting coroutine
+                error = exc
+            with contextlib.suppress(RuntimeError):  # the loop closed: no one waits
+                loop.call_soon_threadsafe(settle, value, error)
+
+        threading.Thread(target=run, name=f"rolloutlog-tool-{name}", daemon=True).start()
+        result = await self._by_deadline(done)
+        if inspect.isawaitable(result):  # a wrapper that returned a coroutine
+            result = await self._by_deadline(asyncio.ensure_future(result))
+        return result
+
+    async def _by_deadline(self, running: asyncio.Future[Any]) -> Any:
+        """``running``'s result, or :class:`_ToolDeadline` (``running`` cancelled) past
+        ``tool_timeout_s`` (a TimeoutError the tool raises itself stays an error)."""
+        timeout = self.config.tool_timeout_s
+        try:
+            done, _ = await asyncio.wait({running}, timeout=timeout)
+        except BaseException:  # this coroutine was cancelled: so is the tool
+            running.cancel()
+            raise
+        if not done:
+            running.cancel()
+            await asyncio.wait({running}, timeout=timeout)  # let it unwind, within a deadline
+            raise _ToolDeadline
+        return running.result()
 
     def _observation(
         self, spec: SiblingSpec, gid: int, turn: int, key: str, text: str, left: int

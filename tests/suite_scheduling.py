@@ -26,6 +26,8 @@ ENGINE_TESTS = {
     ),
     "tests/backends/test_fleet_weights.py::"
     "test_vllm_engines_reused_from_an_earlier_run_are_refit_and_probed": "vllm_servers",
+    "tests/backends/test_fleet_multiturn.py::"
+    "test_an_engine_killed_mid_turn_resends_only_that_turn_on_the_other_engine": "vllm_servers",
 }
 
 

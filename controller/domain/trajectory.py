@@ -97,6 +97,11 @@ class ModelCallCompleted(TurnEvent):
     payload_id: str
     finish_reason: str
     engine_id: str | None = None
+    #: Why each earlier try of this model call (same turn, same attempt) failed
+    #: retryably, in order: its engine was lost or unreachable, and the call was sent
+    #: again (to another engine); nothing of a failed try entered the trajectory. Empty
+    #: in logs written before retries existed (the default decodes them unchanged).
+    failed_tries: tuple[str, ...] = ()
 
 
 @CODEC.register
@@ -139,9 +144,10 @@ class ToolCallCompleted(TurnEvent):
     source: ToolResultSource = "call"
 
 
-#: Why a tool call has no result: it raised, or it was interrupted and may not run again
-#: (neither idempotent nor able to answer a status check).
-ToolFailure = Literal["error", "not_rerun"]
+#: Why a tool call has no result: it raised, it was interrupted and may not run again
+#: (neither idempotent nor able to answer a status check), or it did not answer within
+#: its deadline (it may have had effects: not run again either).
+ToolFailure = Literal["error", "not_rerun", "timeout"]
 
 
 @CODEC.register

@@ -149,8 +149,9 @@ def start(store: Any) -> RolloutController:
 
 
 def runtime(
-    ctl: RolloutController, ledger: Ledger, **backend: Any
+    ctl: RolloutController, ledger: Ledger, multi_turn: dict[str, Any] | None = None, **backend: Any
 ) -> tuple[RolloutRuntime, TrajectoryBackend, DeterministicBackend]:
+    """The scripted task's runtime; ``multi_turn``: MultiTurnConfig fields to change."""
     inner = DeterministicBackend(vocab_size=VOCAB, max_model_len=512, script=script, **backend)
     multi = TrajectoryBackend(
         inner,
@@ -158,7 +159,7 @@ def runtime(
         environment_factory=AddEnv,
         tools=[ledger.tool()],
         reset_kwargs=reset_kwargs,
-        config=MultiTurnConfig(max_turns=6, max_tokens_per_turn=40),
+        config=MultiTurnConfig(max_turns=6, max_tokens_per_turn=40, **(multi_turn or {})),
     )
     multi.attach(ctl)
     rt = RolloutRuntime(ctl, multi, MultiTurnPrompts(Prompts(), multi), GENERATION)

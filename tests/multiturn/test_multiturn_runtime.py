@@ -328,8 +328,9 @@ def test_a_late_model_output_is_refused_and_recorded(sqlite_url: str, tmp_path: 
 def test_a_generation_failure_mid_conversation_reruns_only_the_current_turn(
     sqlite_url: str, tmp_path: Path
 ) -> None:
-    """An engine error on a sibling's second model call fails that attempt (retryable);
-    the next attempt resumes after the durable turns and generates only that turn."""
+    """An engine error on a sibling's second model call, with no retry within the
+    attempt (``model_call_retries=0``), fails that attempt (retryable); the next attempt
+    resumes after the durable turns and generates only that turn."""
     from rolloutlog.controller.backends.base import BackendError
 
     store = EventStore.open(sqlite_url)
@@ -345,7 +346,9 @@ def test_a_generation_failure_mid_conversation_reruns_only_the_current_turn(
         return None
 
     async def main() -> Any:
-        rt, multi, inner = runtime(ctl, Ledger(tmp_path / "ledger.tsv"))
+        rt, multi, inner = runtime(
+            ctl, Ledger(tmp_path / "ledger.tsv"), multi_turn={"model_call_retries": 0}
+        )
         inner.fail = fail
         await rt.start()
         try:
@@ -367,6 +370,198 @@ def test_a_generation_failure_mid_conversation_reruns_only_the_current_turn(
     ]
     assert len(calls) == len(set(calls))  # turn 0 never generated again
     assert stats.model_calls_reused >= 4 and stats.tool_results_reused >= 4
+    store.close()
+
+
+def test_an_engine_lost_mid_call_resends_only_that_call_within_the_attempt(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    """A retryable engine error on a model call sends that call again (same turn, same
+    attempt), recorded on its ModelCallCompleted; past ``model_call_retries`` the attempt
+    fails and the next one resumes after the durable turns."""
+    from rolloutlog.controller.backends.base import BackendError
+
+    store = EventStore.open(sqlite_url)
+    ctl = start(store)
+    fails: dict[tuple[int, int], int] = {}
+    stubborn: list[tuple[int, int]] = []  # the first sibling to reach turn 1: fails 3 times
+
+    def fail(request: Any, spec: Any) -> object:
+        ctx = TOKENIZER.decode(request.prompt_token_ids)
+        key = (request.group_id, spec.sibling)
+        if "<tool>add" in ctx and "<tool>submit" not in ctx:
+            if not stubborn:
+                stubborn.append(key)
+            if fails.get(key, 0) < (3 if key == stubborn[0] else 1):
+                fails[key] = fails.get(key, 0) + 1
+                return BackendError(f"engine lost mid-call ({fails[key]})", retryable=True)
+        return None
+
+    async def main() -> Any:
+        rt, multi, inner = runtime(ctl, Ledger(tmp_path / "ledger.tsv"))
+        inner.fail = fail
+        await rt.start()
+        try:
+            batch = await rt.next_batch(0, timeout=60)
+            assert all(s.reward == 1.0 for s in batch.samples)
+        finally:
+            await rt.close()
+        return multi.stats
+
+    stats = asyncio.run(main())
+    ctl.close()
+    failed_rows = [CODEC.decode(r) for r in store.read(RUN) if r.type == "SiblingFailed"]
+    # Only the stubborn sibling's request failed (3 failures > model_call_retries = 2):
+    # its group's attempts (a request fails whole; its sibling's finished trajectory is
+    # taken over whole by the next attempt, nothing run again).
+    assert stubborn[0] in {(e.group_id, e.sibling) for e in failed_rows}
+    assert {e.group_id for e in failed_rows} == {stubborn[0][0]}
+    events = [e for _, e in _turn_events(store)]
+    resumed = {
+        (e.group_id, e.sibling): e for e in events if type(e).__name__ == "TrajectoryResumed"
+    }
+    assert set(resumed) == {(e.group_id, e.sibling) for e in failed_rows}
+    assert resumed[stubborn[0]].model_calls_reused == 1
+    calls = [e for e in events if type(e).__name__ == "ModelCallCompleted"]
+    assert len({(e.group_id, e.sibling, e.turn) for e in calls}) == len(calls)
+    turn1 = {(e.group_id, e.sibling): e for e in calls if e.turn == 1}
+    for key, n in fails.items():
+        tries = turn1[key].failed_tries
+        if key == stubborn[0]:  # a try and 2 retries failed; the next attempt's succeeded
+            assert n == 3 and tries == ()
+        else:
+            assert len(tries) == n == 1 and "engine lost mid-call (1)" in tries[0]
+    assert stats.model_calls_retried == sum(fails.values()) - 1  # the bound's failure
+    store.close()
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_tool_that_hangs_past_its_deadline_is_recorded_failed_not_run_again(
+    sqlite_url: str, tmp_path: Path, kind: str
+) -> None:
+    """``tool_timeout_s``: a tool call that does not answer in time is recorded as
+    ToolCallFailed (outcome ``timeout``), its reason fed back; the trajectory goes on and
+    the call is never run again. A hung synchronous tool's thread is abandoned, not joined."""
+    import threading
+    import time
+
+    from rolloutlog.controller.environments import Tool
+
+    runs: list[str] = []
+    release = threading.Event()
+
+    def add(a: int, b: int) -> str:
+        runs.append(f"{a}+{b}")
+        if len(runs) == 1:
+            release.wait(60)  # hangs until the test ends
+        return str(a + b)
+
+    async def add_async(a: int, b: int) -> str:
+        runs.append(f"{a}+{b}")
+        if len(runs) == 1:
+            await asyncio.sleep(60)  # cancelled at the deadline
+        return str(a + b)
+
+    store = EventStore.open(sqlite_url)
+    ctl = start(store)
+
+    async def main() -> Any:
+        rt, multi, _ = runtime(ctl, Ledger(tmp_path / "unused"), multi_turn={"tool_timeout_s": 0.5})
+        multi.tools = (Tool("add", add if kind == "sync" else add_async),)
+        await rt.start()
+        try:
+            batch = await rt.next_batch(0, timeout=60)
+        finally:
+            await rt.close()
+        return multi.stats, sorted(s.reward for s in batch.samples)
+
+    try:
+        stats, rewards = asyncio.run(main())
+    finally:
+        release.set()
+    ctl.close()
+    events = [e for _, e in _turn_events(store)]
+    failed = [e for e in events if type(e).__name__ == "ToolCallFailed"]
+    assert [e.outcome for e in failed] == ["timeout"] and stats.tool_calls_timed_out == 1
+    assert "did not answer within 0.5 s" in failed[0].reason
+    requested = [e.idempotency_key for e in events if type(e).__name__ == "ToolCallRequested"]
+    adds = [k for k in requested if k.endswith("/t0/c0")]
+    assert len(runs) == len(adds) == len(set(adds))  # each add call ran once
+    # The failure entered the context: that trajectory submitted no correct sum.
+    assert rewards[0] == 0.0 and rewards[-1] == 1.0
+    deadline = time.monotonic() + 30
+    while any(t.name == "rolloutlog-tool-add" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the hung tool's thread did not end"
+        time.sleep(0.05)
+    store.close()
+
+
+def test_a_status_check_that_hangs_past_the_deadline_is_a_recorded_refusal(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    """The process dies inside a tool with a status check; on the takeover the status
+    check hangs: past ``tool_timeout_s`` the call is recorded as failed (``timeout``),
+    not run again (it may have run)."""
+    import threading
+
+    from rolloutlog.controller.environments import Tool
+    from rolloutlog.controller.rollout_controller import RolloutController
+
+    runs: list[str] = []
+    release = threading.Event()
+
+    class Crash(BaseException):
+        """Stands for the process dying inside the tool."""
+
+    def add(a: int, b: int, idempotency_key: str) -> str:
+        runs.append(idempotency_key)
+        if len(runs) == 1:
+            raise Crash
+        return str(a + b)
+
+    def status(idempotency_key: str) -> str | None:
+        release.wait(60)  # hangs until the test ends
+        return None
+
+    store = EventStore.open(sqlite_url)
+    ctl = start(store)
+
+    async def first() -> None:
+        rt, multi, _ = runtime(ctl, Ledger(tmp_path / "unused"))
+        multi.tools = (Tool("add", add, status=status),)
+        await rt.start()
+        try:
+            with pytest.raises(Exception, match="pump"):
+                await rt.next_batch(0, timeout=60)
+        finally:
+            await rt.close()
+
+    asyncio.run(first())
+    ctl.close()
+    ctl = RolloutController.open(store, RUN)
+
+    async def second() -> Any:
+        rt, multi, _ = runtime(ctl, Ledger(tmp_path / "unused"), multi_turn={"tool_timeout_s": 0.5})
+        multi.tools = (Tool("add", add, status=status),)
+        await rt.start()
+        try:
+            await rt.next_batch(0, timeout=60)
+        finally:
+            await rt.close()
+        return multi.stats
+
+    try:
+        stats = asyncio.run(second())
+    finally:
+        release.set()
+    ctl.close()
+    events = [e for _, e in _turn_events(store)]
+    failed = [e for e in events if type(e).__name__ == "ToolCallFailed"]
+    assert [e.outcome for e in failed] == ["timeout"] and stats.tool_calls_timed_out == 1
+    assert "status check" in failed[0].reason and failed[0].idempotency_key == runs[0]
+    requested = [e.idempotency_key for e in events if type(e).__name__ == "ToolCallRequested"]
+    adds = [k for k in requested if k.endswith("/t0/c0")]
+    assert sorted(runs) == sorted(adds)  # each add call ran once, the interrupted one too
     store.close()
 
 
