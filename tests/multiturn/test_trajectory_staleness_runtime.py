@@ -38,6 +38,7 @@ from rolloutlog.controller.domain.trajectory import (
 from rolloutlog.controller.environments import Tool
 from rolloutlog.controller.multiturn import MultiTurnConfig, TrajectoryBackend
 from rolloutlog.controller.rollout_controller import RolloutController
+from rolloutlog.controller.sql_audit import SqlAudit
 from rolloutlog.eventstore import EventStore, decode_arrays
 
 WEIGHTS = [("w", torch.zeros(1))]
@@ -195,6 +196,29 @@ def test_a_trajectory_spanning_too_many_versions_gets_its_policy(
     log = _check_log(store, ledger, None if policy == "keep" else bound)
     stale, events, rows = log["stale"], log["events"], log["rows"]
     assert stale and all(e.policy == policy and e.max_weight_versions == bound for e in stale)
+    # The SQL views say the same: one too_stale row per decision, by outcome, and each
+    # trajectory's newest decision and abandoned turns.
+    audit = SqlAudit(db_url, allow_privileged_role=True)
+    try:
+        by_outcome = audit.select(
+            "SELECT outcome, COUNT(*) AS n FROM turns WHERE run_id = :run_id "
+            "AND kind = 'too_stale' GROUP BY outcome",
+            {"run_id": RUN},
+            limit=None,
+        ).rows
+        trajectories = audit.select(
+            "SELECT group_id, stale_outcome, turns_abandoned FROM trajectories "
+            "WHERE run_id = :run_id AND stale_outcome IS NOT NULL",
+            {"run_id": RUN},
+            limit=None,
+        ).rows
+    finally:
+        audit.close()
+    assert {r["outcome"]: r["n"] for r in by_outcome} == Counter(e.outcome for e in stale)
+    assert sum(r["turns_abandoned"] for r in trajectories) == sum(
+        e.turns_abandoned for e in stale
+    )
+    assert {r["group_id"] for r in trajectories} == {e.group_id for e in stale}
     if policy == "keep":
         assert all(e.outcome == "kept" and e.turns_abandoned == 0 for e in stale)
         assert multi.stats.trajectories_kept_stale == len(stale)
