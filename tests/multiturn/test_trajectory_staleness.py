@@ -34,7 +34,9 @@ def _turn(run: Run, version: int, *, tool: bool = True) -> None:
         _result(run, _request(run), 3)
 
 
-def _decide(run: Run, policy: StalenessPolicy, next_version: int | None) -> TrajectoryTooStale | None:
+def _decide(
+    run: Run, policy: StalenessPolicy, next_version: int | None
+) -> TrajectoryTooStale | None:
     ev = decide_staleness(run.book[(0, 0)], policy, run.attempt, next_version)
     if ev is not None:
         run.record(ev)
@@ -184,7 +186,9 @@ def test_the_config_needs_a_bound_for_abort_or_restart() -> None:
     with pytest.raises(ValidationError):
         MultiTurnConfig(max_weight_versions=0)
     with pytest.raises(ValidationError):
-        MultiTurnConfig(max_weight_versions=1, on_too_many_versions="restart", restart_after_turn=-1)
+        MultiTurnConfig(
+            max_weight_versions=1, on_too_many_versions="restart", restart_after_turn=-1
+        )
 
 
 @settings(max_examples=120, deadline=None)

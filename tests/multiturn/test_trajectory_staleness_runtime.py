@@ -215,9 +215,7 @@ def test_a_trajectory_spanning_too_many_versions_gets_its_policy(
     finally:
         audit.close()
     assert {r["outcome"]: r["n"] for r in by_outcome} == Counter(e.outcome for e in stale)
-    assert sum(r["turns_abandoned"] for r in trajectories) == sum(
-        e.turns_abandoned for e in stale
-    )
+    assert sum(r["turns_abandoned"] for r in trajectories) == sum(e.turns_abandoned for e in stale)
     assert {r["group_id"] for r in trajectories} == {e.group_id for e in stale}
     if policy == "keep":
         assert all(e.outcome == "kept" and e.turns_abandoned == 0 for e in stale)
