@@ -72,6 +72,7 @@ from .domain.trajectory import (
     TrajectoryResumed,
     TrajectoryStarted,
     TrajectoryState,
+    TrajectoryTooStale,
     TurnEvent,
     decide_staleness,
     evolve_trajectory,
@@ -308,14 +309,16 @@ class TrajectoryBackend:
 
     # ------------------------------------------------------------ one trajectory
     def _record(self, event: TurnEvent, *puts: PayloadPut) -> TrajectoryState:
-        """Decide and append ``event`` (a late one is recorded as refused: :class:`_Late`)."""
+        """Decide and append ``event`` (a late one is recorded as refused: :class:`_Late`;
+        a staleness decision of a superseded attempt is no result: it is only dropped)."""
         ctl = self.controller
         key = (event.group_id, event.sibling)
         traj = self.book.get(key)
         try:
             ctl.execute(RecordTurn(event, traj), payload_puts=puts)
         except StaleAttemptError as exc:
-            self._refuse(event, str(exc))
+            if not isinstance(event, TrajectoryTooStale):
+                self._refuse(event, str(exc))
             raise _Late(str(exc)) from exc
         for put in puts:
             self._arrays[put.payload_id] = {
