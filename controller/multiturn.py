@@ -41,9 +41,9 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rolloutlog.eventstore import PayloadPut, decode_arrays, encode_arrays
 
@@ -65,6 +65,7 @@ from .domain.trajectory import (
     LateResultRefused,
     ModelCallCompleted,
     RecordTurn,
+    StalenessPolicy,
     ToolCallCompleted,
     ToolCallFailed,
     ToolCallRequested,
@@ -73,7 +74,9 @@ from .domain.trajectory import (
     TrajectoryResumed,
     TrajectoryStarted,
     TrajectoryState,
+    TrajectoryTooStale,
     TurnEvent,
+    decide_staleness,
     evolve_trajectory,
 )
 from .environments import EnvironmentSession, Tokenizer, Tool, ToolCall, parse_tool_calls
@@ -123,6 +126,41 @@ class MultiTurnConfig(BaseModel):
         "at the deadline (Python cannot stop a thread; a late result is dropped). None: "
         "no deadline, and a synchronous tool runs on the event loop.",
     )
+    max_weight_versions: int | None = Field(
+        None,
+        ge=1,
+        description="Most distinct weight versions one trajectory's model calls may span "
+        "(counting the engine's version for its next model call); past it, "
+        "on_too_many_versions decides. None: unbounded (every trajectory kept).",
+    )
+    on_too_many_versions: Literal["keep", "abort", "restart"] = Field(
+        "keep",
+        description="What a trajectory that would span more than max_weight_versions gets: "
+        "keep (recorded, per-token versions say which weights made each turn), abort (every "
+        "turn abandoned, the sibling attempt aborted; its next attempt starts anew), restart "
+        "(turns after restart_after_turn abandoned; it goes on under the current weights).",
+    )
+    restart_after_turn: int = Field(
+        0,
+        ge=0,
+        description="For on_too_many_versions restart: the last turn kept (turns "
+        "0..restart_after_turn stay, with their tool results and environment steps).",
+    )
+
+    @model_validator(mode="after")
+    def _policy_needs_a_bound(self) -> MultiTurnConfig:
+        if self.on_too_many_versions != "keep" and self.max_weight_versions is None:
+            raise ValueError(
+                f"on_too_many_versions {self.on_too_many_versions!r} needs max_weight_versions"
+            )
+        return self
+
+    @property
+    def staleness(self) -> StalenessPolicy:
+        """The per-trajectory staleness policy (the domain's)."""
+        return StalenessPolicy(
+            self.max_weight_versions, self.on_too_many_versions, self.restart_after_turn
+        )
 
 
 @dataclass
@@ -140,6 +178,10 @@ class MultiTurnStats:
     trajectories_resumed: int = 0
     trajectories_completed: int = 0
     late_results_refused: int = 0
+    trajectories_kept_stale: int = 0
+    trajectories_aborted_stale: int = 0
+    trajectories_restarted: int = 0
+    turns_abandoned: int = 0
 
 
 #: ``environment_factory``: a new environment object per trajectory (TRL's interface).
@@ -155,6 +197,10 @@ class _Late(Exception):
 
 class _ToolDeadline(Exception):
     """A tool call did not answer within ``tool_timeout_s``."""
+
+
+class _TooStale(Exception):
+    """The staleness policy abandoned the trajectory (recorded): abort the attempt."""
 
 
 class TrajectoryBackend:
@@ -268,9 +314,14 @@ class TrajectoryBackend:
             self._pending.pop((request.group_id, spec.sibling, spec.attempt), None)
             for spec in request.siblings
         ]
+        stale = {
+            spec.sibling: str(out)
+            for spec, out in zip(request.siblings, outcomes, strict=True)
+            if isinstance(out, _TooStale)
+        }
         for out in outcomes:
-            if isinstance(out, _Late):
-                raise BackendAbortedError(f"group {request.group_id}: {out}")
+            if isinstance(out, _Late | _TooStale):
+                raise BackendAbortedError(f"group {request.group_id}: {out}", sibling_reasons=stale)
             if isinstance(out, BaseException):
                 raise out
         results = [out for out in outcomes if isinstance(out, SiblingResult)]
@@ -294,14 +345,16 @@ class TrajectoryBackend:
 
     # ------------------------------------------------------------ one trajectory
     def _record(self, event: TurnEvent, *puts: PayloadPut) -> TrajectoryState:
-        """Decide and append ``event`` (a late one is recorded as refused: :class:`_Late`)."""
+        """Decide and append ``event`` (a late one is recorded as refused: :class:`_Late`;
+        a staleness decision of a superseded attempt is no result: it is only dropped)."""
         ctl = self.controller
         key = (event.group_id, event.sibling)
         traj = self.book.get(key)
         try:
             ctl.execute(RecordTurn(event, traj), payload_puts=puts)
         except StaleAttemptError as exc:
-            self._refuse(event, str(exc))
+            if not isinstance(event, TrajectoryTooStale):
+                self._refuse(event, str(exc))
             raise _Late(str(exc)) from exc
         for put in puts:
             self._arrays[put.payload_id] = {
@@ -337,7 +390,16 @@ class TrajectoryBackend:
         self.stats.late_results_refused += 1
 
     def _payload_id(self, spec: SiblingSpec, group_id: int, what: str) -> str:
-        return f"e{self.controller.epoch}-g{group_id}-s{spec.sibling}-a{spec.attempt}-{what}"
+        traj = self.book.get((group_id, spec.sibling))
+        # After a restart the same attempt writes turns again: their payloads are new ones.
+        again = f"-r{traj.restarts}" if traj is not None and traj.restarts else ""
+        epoch = self.controller.epoch
+        return f"e{epoch}-g{group_id}-s{spec.sibling}-a{spec.attempt}{again}-{what}"
+
+    def _call_key(self, traj: TrajectoryState, turn: int, index: int) -> str:
+        """A new tool call's idempotency key (after a restart, one no abandoned call has)."""
+        again = f"/r{traj.restarts}" if traj.restarts else ""
+        return f"{self.controller.run_id}/g{traj.group_id}/s{traj.sibling}{again}/t{turn}/c{index}"
 
     def _tokens(self, payload_id: str, key: tuple[int, int]) -> dict[str, list[Any]]:
         arrays = self._arrays.get(payload_id)
@@ -386,8 +448,12 @@ class TrajectoryBackend:
         budget = request.sampling.max_tokens
         traj = self.book.get(key)
         group = self.controller.state.groups[gid]
-        if traj is not None and traj.prompt != (group.data_pass, group.prompt_index):
-            traj = None  # an abandoned branch's trajectory of another prompt: start anew
+        if traj is not None and (
+            traj.prompt != (group.data_pass, group.prompt_index) or traj.abandoned
+        ):
+            # An abandoned branch's trajectory of another prompt, or one the staleness
+            # policy abandoned (its turns are never reused): start anew.
+            traj = None
         if traj is None:
             observation = self._reset(session, gid)
             obs_ids = self.tokenizer.encode(observation) if observation else []
@@ -426,10 +492,12 @@ class TrajectoryBackend:
                 if finish is not None:
                     break
             traj = self.book[key]
-            left = budget - (traj.context_tokens - len(prompt))
             if traj.turns >= self.config.max_turns:
                 finish = "max_turns"
                 break
+            if await self._staleness(spec, traj, self.inner.weight_version, session):
+                continue  # the newest kept turn is answered already: on to its next call
+            left = budget - (traj.context_tokens - len(prompt))
             limit = self.config.max_context_tokens
             if limit is not None:
                 left = min(left, limit - traj.context_tokens)
@@ -437,6 +505,9 @@ class TrajectoryBackend:
                 finish = "context_full"
                 break
             await self._model_call(request, spec, traj, left)
+            # The call may have used other weights than the engine announced (a publish
+            # while it ran): decide again on what it used, before its tools run.
+            await self._staleness(spec, self.book[key], None, session)
         traj = self.book[key]
         return self._complete(request, spec, traj, session, dispatched, finish)
 
@@ -454,6 +525,35 @@ class TrajectoryBackend:
             tool_calls_open=len(traj.open_tool_calls()),
         )
 
+    async def _staleness(
+        self,
+        spec: SiblingSpec,
+        traj: TrajectoryState,
+        next_version: int | None,
+        session: EnvironmentSession,
+    ) -> bool:
+        """Apply the staleness policy to ``traj`` (see :func:`decide_staleness`): record
+        its decision if any; raise :class:`_TooStale` when it aborted the trajectory;
+        True when it restarted it (``session`` then rebuilt from the kept turns)."""
+        event = decide_staleness(traj, self.config.staleness, spec.attempt, next_version)
+        if event is None:
+            return False
+        traj = self._record(event)
+        self.stats.turns_abandoned += event.turns_abandoned
+        if event.outcome == "kept":
+            self.stats.trajectories_kept_stale += 1
+            return False
+        if event.outcome == "aborted":
+            self.stats.trajectories_aborted_stale += 1
+            raise _TooStale(f"too stale: {event.reason}")
+        self.stats.trajectories_restarted += 1
+        # The environment's memory may hold effects of the abandoned turns: build it again
+        # from the kept ones, as a resume does (released first: verl-style instances).
+        await session.close()
+        self._reset(session, traj.group_id)
+        await self._replay_idempotent(session, traj)
+        return True
+
     async def _resume(
         self, spec: SiblingSpec, gid: int, traj: TrajectoryState, session: EnvironmentSession
     ) -> TrajectoryState:
@@ -465,6 +565,13 @@ class TrajectoryBackend:
         self.stats.model_calls_reused += traj.turns
         self.stats.tool_results_reused += reused
         self._reset(session, gid)
+        await self._replay_idempotent(session, traj)
+        return traj
+
+    @staticmethod
+    async def _replay_idempotent(session: EnvironmentSession, traj: TrajectoryState) -> None:
+        """Rebuild the environment's memory: replay the trajectory's recorded idempotent
+        tool calls (safe by definition; their recorded results stand)."""
         for call in traj.tool_calls:
             tool = session.tools.get(call.tool)
             if call.status == "completed" and tool is not None and tool.idempotent:
@@ -474,7 +581,6 @@ class TrajectoryBackend:
                         await replayed
                 except Exception:  # its recorded result stands; the replay only rebuilds memory
                     log.debug("replaying idempotent tool %s failed", call.tool, exc_info=True)
-        return traj
 
     async def _model_call(
         self, request: GroupRequest, spec: SiblingSpec, traj: TrajectoryState, left: int
@@ -542,8 +648,8 @@ class TrajectoryBackend:
         calls = self.parse(text)
         for index, call in enumerate(calls):
             traj = self.book[key]
-            ikey = f"{self.controller.run_id}/g{gid}/s{spec.sibling}/t{turn}/c{index}"
-            known = traj.tool_call(ikey)
+            known = next((c for c in traj.turn_calls(turn) if c.call == index), None)
+            ikey = self._call_key(traj, turn, index) if known is None else known.idempotency_key
             if known is not None and known.status != "requested":
                 continue  # its result is recorded: fed back, not run again
             left = budget - (traj.context_tokens - len(prompt))

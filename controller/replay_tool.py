@@ -273,6 +273,7 @@ TURN_KINDS: dict[str, str] = {
     "TrajectoryCompleted": "completed",
     "TrajectoryResumed": "resumed",
     "LateResultRefused": "late_refused",
+    "TrajectoryTooStale": "too_stale",
 }
 
 #: Fields of a trajectory event shown in a step (the rest: ``"event"``).
@@ -305,6 +306,14 @@ _STEP_FIELDS = (
     "finish",
     "final_reward",
     "model_tokens",
+    "versions",
+    "next_version",
+    "max_weight_versions",
+    "policy",
+    "restart_after_turn",
+    "turns_kept",
+    "turns_abandoned",
+    "tool_calls_abandoned",
 )
 
 

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -389,8 +389,8 @@ class RolloutRuntime:
             try:
                 results = await self.backend.generate(request)
                 validate_results(request, results, self.backend.vocab_size)
-            except BackendAbortedError:
-                if self._record_backend_aborts(request):
+            except BackendAbortedError as exc:
+                if self._record_backend_aborts(request, exc.sibling_reasons):
                     self._back_off(request.group_id)
                 return
             except MalformedResultError as exc:
@@ -478,7 +478,9 @@ class RolloutRuntime:
         self._not_before[group_id] = loop.time() + delay
         loop.call_later(delay, self._changed.set)  # wake the pump when it may dispatch
 
-    def _record_backend_aborts(self, request: GroupRequest) -> int:
+    def _record_backend_aborts(
+        self, request: GroupRequest, reasons: Mapping[int, str] | None = None
+    ) -> int:
         """Record a request the backend aborted on its own; return how many were recorded.
 
         Aborts the pump asked for (publish, eviction, close) were recorded already, so
@@ -492,8 +494,10 @@ class RolloutRuntime:
             key = (request.group_id, spec.sibling)
             count = self._backend_aborts.get(key, 0) + 1
             self._backend_aborts[key] = count
+            why = (reasons or {}).get(spec.sibling)
+            because = f": {why}" if why else ""
             if count < cap:
-                self._abort_sibling(request.group_id, spec, "aborted by the backend")
+                self._abort_sibling(request.group_id, spec, f"aborted by the backend{because}")
             else:
                 self._backend_aborts.pop(key, None)
                 self._fail_sibling(
@@ -501,7 +505,7 @@ class RolloutRuntime:
                     spec,
                     retryable=True,
                     reason=f"aborted by the backend {count} times "
-                    f"(max_backend_aborts_per_sibling={cap})",
+                    f"(max_backend_aborts_per_sibling={cap}){because}",
                 )
                 self.stats.failed += 1
             recorded += 1

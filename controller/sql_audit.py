@@ -1,7 +1,8 @@
 """SQL audit of a stored run: canned queries over the audit views, and a read-only runner.
 
 The views (created by the alembic revisions ``0006_rollout_views``,
-``0007_prompt_passes``, ``0008_engine_views`` and ``0012_turn_views``, documented in
+``0007_prompt_passes``, ``0008_engine_views``, ``0012_turn_views`` and
+``0013_turn_views_staleness``, documented in
 ``docs/sql-cookbook.md``) hold each run's *current history* only: events a restore
 abandoned appear in ``abandoned_events`` and nowhere else, except in the multi-turn views
 (``turns``, ``trajectories``, ``tool_calls``), which read both and say which

@@ -51,7 +51,14 @@ class BackendUnavailableError(FixedRetryError, retryable=False):
 
 
 class BackendAbortedError(FixedRetryError, retryable=True):
-    """The request was aborted (by :meth:`GenerationBackend.abort`) before it finished."""
+    """The request was aborted (by :meth:`GenerationBackend.abort`) before it finished.
+
+    ``sibling_reasons``: why the backend itself gave up particular siblings (by sibling
+    index); the runtime records each one's reason with its abort."""
+
+    def __init__(self, message: str, *, sibling_reasons: Mapping[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.sibling_reasons: dict[int, str] = dict(sibling_reasons or {})
 
 
 class MalformedResultError(FixedRetryError, retryable=False):

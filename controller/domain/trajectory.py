@@ -19,7 +19,12 @@ step (their tokens, loss mask 0). Every append is an event; token arrays are pay
 - :class:`TrajectoryResumed` a new attempt took over an unfinished trajectory after a
   restore or a retry: what it reused and how it resolved tool calls left open;
 - :class:`LateResultRefused` a model output or tool result of a superseded attempt
-  arrived and was refused (recorded, never merged).
+  arrived and was refused (recorded, never merged);
+- :class:`TrajectoryTooStale` the trajectory's model calls span (or its next model call
+  would make them span) more weight versions than the :class:`StalenessPolicy` allows,
+  and what the policy did: kept it, abandoned it whole (the sibling attempt is aborted
+  and the next one starts anew), or abandoned the turns after turn ``k``
+  (:func:`decide_staleness` makes the event; :func:`decide_turn` checks it).
 
 Logs written before these events existed hold none: they replay unchanged (every
 sibling a single-turn completion), so there is nothing to upcast; a later schema of one
@@ -239,6 +244,44 @@ class LateResultRefused(TurnEvent):
     reason: str
 
 
+#: What a staleness policy does with a trajectory that spans too many weight versions.
+StalenessAction = Literal["keep", "abort", "restart"]
+#: What it did: ``restart`` falls back to ``aborted`` when the turns it would keep (with
+#: the next model call's version) still span too many versions.
+StalenessOutcome = Literal["kept", "aborted", "restarted"]
+
+
+@CODEC.register
+class TrajectoryTooStale(TurnEvent):
+    """The trajectory spans more than ``max_weight_versions`` weight versions: the
+    distinct ``versions`` of its model calls, with ``next_version`` (the engine's version
+    for the next model call) when the decision came before that call. ``policy`` is the
+    configured action, ``outcome`` what it did:
+
+    - ``kept``: nothing changes (the per-token versions say what each turn used);
+    - ``aborted``: every turn is abandoned (never fed back, never reused); the sibling
+      attempt is aborted and its next attempt starts a new trajectory;
+    - ``restarted``: the first ``turns_kept`` turns stay (``restart_after_turn`` + 1 of
+      them at most), the later ``turns_abandoned`` ones are abandoned, and the same
+      attempt goes on from the end of the last kept turn.
+
+    ``tool_calls_abandoned`` tool calls of abandoned turns stay recorded as run; they
+    are never run again nor fed back (the new turns' calls have new idempotency keys).
+    """
+
+    event_type = "TrajectoryTooStale"
+    versions: list[int]
+    next_version: int | None
+    max_weight_versions: int
+    policy: StalenessAction
+    restart_after_turn: int | None = None
+    outcome: StalenessOutcome
+    turns_kept: int
+    turns_abandoned: int
+    tool_calls_abandoned: int
+    reason: str
+
+
 #: Every trajectory event type.
 TURN_EVENTS: tuple[type[TurnEvent], ...] = (
     TrajectoryStarted,
@@ -250,6 +293,7 @@ TURN_EVENTS: tuple[type[TurnEvent], ...] = (
     TrajectoryCompleted,
     TrajectoryResumed,
     LateResultRefused,
+    TrajectoryTooStale,
 )
 TURN_EVENT_TYPES: frozenset[str] = frozenset(cls.event_type for cls in TURN_EVENTS)
 
@@ -309,6 +353,16 @@ class TrajectoryState:
     final_reward: float | None = None
     resumes: int = 0
     late_refused: int = 0
+    #: The environment's steps in order: (turn, reward, done).
+    steps: tuple[tuple[int, float | None, bool], ...] = ()
+    #: The staleness policy kept it though it spans too many weight versions (recorded).
+    stale_kept: bool = False
+    #: Every turn was abandoned (staleness policy ``abort``): the next attempt starts anew.
+    abandoned: bool = False
+    #: Times turns of this sibling's trajectory were abandoned (aborts and restarts,
+    #: carried to the trajectory that starts anew): new turns' idempotency keys and
+    #: payload ids carry it, so they never name an abandoned turn's.
+    restarts: int = 0
 
     @property
     def context_tokens(self) -> int:
@@ -330,6 +384,16 @@ class TrajectoryState:
         """The tool calls turn ``turn`` asked for, in call order."""
         return tuple(c for c in self.tool_calls if c.turn == turn)
 
+    def weight_versions(self, before_turn: int | None = None) -> set[int]:
+        """The distinct weight versions of the model calls (of turns before ``before_turn``)."""
+        return {
+            s.weight_version
+            for s in self.segments
+            if s.kind == "model"
+            and s.weight_version is not None
+            and (before_turn is None or s.turn < before_turn)
+        }
+
     def loss_mask(self) -> list[int]:
         """One entry per response token (after the prompt): 1 model, 0 tool/environment."""
         return [1 if s.kind == "model" else 0 for s in self.segments for _ in range(s.tokens)]
@@ -348,6 +412,89 @@ TrajectoryBook = dict[tuple[int, int], TrajectoryState]
 
 
 # ---------------------------------------------------------------------- decide
+
+
+@dataclass(frozen=True, slots=True)
+class StalenessPolicy:
+    """How many weight versions one trajectory may span, and what happens past that.
+
+    ``max_weight_versions`` None: unbounded (every trajectory kept). ``action``: ``keep``
+    (recorded), ``abort`` (abandon every turn; the sibling attempt is aborted and the next
+    one starts anew) or ``restart`` (keep turns ``0..restart_after_turn``, abandon the
+    later ones, go on under the current weights; aborted when the kept turns with the
+    next call's version would still span too many)."""
+
+    max_weight_versions: int | None = None
+    action: StalenessAction = "keep"
+    restart_after_turn: int = 0
+
+
+def decide_staleness(
+    traj: TrajectoryState, policy: StalenessPolicy, attempt: int, next_version: int | None
+) -> TrajectoryTooStale | None:
+    """The :class:`TrajectoryTooStale` to record for ``traj`` (written by ``attempt``), or
+    None when it is within the policy's bound (or nothing more is to be recorded).
+
+    ``next_version``: the engine's weight version for the trajectory's next model call,
+    when deciding before that call (then ``keep`` records nothing: it is recorded on the
+    versions the calls did use); None: deciding on the recorded model calls, after one.
+    ``keep`` is recorded once per trajectory."""
+    bound = policy.max_weight_versions
+    if bound is None or traj.completed or traj.abandoned:
+        return None
+    recorded = traj.weight_versions()
+    span = recorded | ({next_version} if next_version is not None else set())
+    if len(span) <= bound:
+        return None
+    action = policy.action
+    outcome: StalenessOutcome
+    versions = sorted(span)
+    said = f"the trajectory spans weight versions {versions}"
+    if next_version is not None:
+        said += f" with its next model call's {next_version}"
+    said += f", more than max_weight_versions {bound}"
+    if action == "keep":
+        if next_version is not None or traj.stale_kept:
+            return None
+        outcome, kept, reason = "kept", traj.turns, f"{said}: kept (policy keep)"
+    elif action == "restart":
+        kept = min(policy.restart_after_turn + 1, traj.turns)
+        target = next_version if next_version is not None else max(recorded)
+        fits = len(traj.weight_versions(kept) | {target}) <= bound
+        if kept < traj.turns and fits:
+            outcome = "restarted"
+            reason = (
+                f"{said}: turns {kept}..{traj.turns - 1} abandoned, going on after turn "
+                f"{kept - 1} (policy restart, restart_after_turn {policy.restart_after_turn})"
+            )
+        else:
+            why = (
+                "there are no turns after it to abandon"
+                if kept >= traj.turns
+                else f"turns 0..{kept - 1} with version {target} would still span more"
+            )
+            outcome, kept = "aborted", 0
+            reason = (
+                f"{said}: aborted (policy restart after turn {policy.restart_after_turn} "
+                f"cannot bound it: {why})"
+            )
+    else:
+        outcome, kept, reason = "aborted", 0, f"{said}: aborted (policy abort)"
+    return TrajectoryTooStale(
+        group_id=traj.group_id,
+        sibling=traj.sibling,
+        attempt=attempt,
+        versions=versions,
+        next_version=next_version,
+        max_weight_versions=bound,
+        policy=action,
+        restart_after_turn=policy.restart_after_turn if action == "restart" else None,
+        outcome=outcome,
+        turns_kept=kept,
+        turns_abandoned=traj.turns - kept,
+        tool_calls_abandoned=sum(1 for c in traj.tool_calls if c.turn >= kept),
+        reason=reason,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,7 +553,11 @@ def decide_turn(state: RunState, cmd: RecordTurn) -> list[RolloutEvent]:
                 f"{who}: trajectory of prompt {ev.prompt_index} (pass {ev.data_pass}), but the "
                 f"group holds prompt {group.prompt_index} (pass {group.data_pass})"
             )
-        if traj is not None and traj.prompt == (ev.data_pass, ev.prompt_index):
+        if (
+            traj is not None
+            and traj.prompt == (ev.data_pass, ev.prompt_index)
+            and not traj.abandoned
+        ):
             raise IllegalTransitionError(f"{who}: the trajectory has started already")
         if ev.prompt_tokens < 1 or ev.observation_tokens < 0:
             raise IllegalTransitionError(f"{who}: a trajectory starts from a non-empty prompt")
@@ -415,6 +566,10 @@ def decide_turn(state: RunState, cmd: RecordTurn) -> list[RolloutEvent]:
         return [ev]
     if traj is None:
         raise IllegalTransitionError(f"{who}: {ev.event_type} before TrajectoryStarted")
+    if traj.abandoned:
+        raise IllegalTransitionError(
+            f"{who}: the trajectory was abandoned (too stale); a new one starts"
+        )
     if traj.completed and not isinstance(ev, TrajectoryResumed):
         raise IllegalTransitionError(f"{who}: the trajectory is completed; nothing follows")
     if isinstance(ev, TrajectoryResumed):
@@ -469,6 +624,8 @@ def decide_turn(state: RunState, cmd: RecordTurn) -> list[RolloutEvent]:
             raise IllegalTransitionError(f"{who}: observation tokens need their payload")
     elif isinstance(ev, TrajectoryCompleted):
         _check_completion(traj, ev, who)
+    elif isinstance(ev, TrajectoryTooStale):
+        _check_staleness(traj, ev, who)
     else:  # pragma: no cover - every TurnEvent is handled above
         raise TypeError(f"unknown trajectory event {type(ev).__name__}")
     return [ev]
@@ -526,6 +683,30 @@ def _check_completion(traj: TrajectoryState, ev: TrajectoryCompleted, who: str) 
         raise IllegalTransitionError(f"{who}: completion's weight versions differ from its turns")
 
 
+def _check_staleness(traj: TrajectoryState, ev: TrajectoryTooStale, who: str) -> None:
+    if ev.max_weight_versions < 1 or (
+        ev.restart_after_turn is not None and ev.restart_after_turn < 0
+    ):
+        raise IllegalTransitionError(f"{who}: a staleness policy keeps at least one version")
+    if traj.open_tool_calls():
+        raise IllegalTransitionError(f"{who}: staleness decided with tool calls still open")
+    policy = StalenessPolicy(ev.max_weight_versions, ev.policy, ev.restart_after_turn or 0)
+    if (ev.policy == "restart") != (ev.restart_after_turn is not None):
+        raise IllegalTransitionError(f"{who}: restart_after_turn belongs to policy restart")
+    expected = decide_staleness(traj, policy, ev.attempt, ev.next_version)
+    if expected is None:
+        raise IllegalTransitionError(
+            f"{who}: the trajectory spans {sorted(traj.weight_versions())} (next "
+            f"{ev.next_version}): within {ev.max_weight_versions} versions, or kept already"
+        )
+    if expected.model_copy(update={"reason": ev.reason}) != ev:
+        raise IllegalTransitionError(
+            f"{who}: staleness decision differs from policy {ev.policy}: expected "
+            f"outcome {expected.outcome} keeping {expected.turns_kept} turns, got "
+            f"{ev.outcome} keeping {ev.turns_kept}"
+        )
+
+
 # ---------------------------------------------------------------------- evolve
 
 
@@ -539,6 +720,8 @@ def evolve_trajectory(
     key = (event.group_id, event.sibling)
     traj = book.get(key)
     if isinstance(event, TrajectoryStarted):
+        # A trajectory started anew after one was abandoned keeps counting restarts.
+        restarts = traj.restarts if traj is not None and traj.abandoned else 0
         traj = TrajectoryState(
             group_id=event.group_id,
             sibling=event.sibling,
@@ -550,6 +733,7 @@ def evolve_trajectory(
                 if event.observation_tokens
                 else ()
             ),
+            restarts=restarts,
         )
     elif traj is None:
         return None  # a late refusal before the start, or a foreign event: nothing to fold
@@ -600,11 +784,36 @@ def evolve_trajectory(
             stepped=True,
             done=traj.done or event.done,
             last_reward=event.reward if event.reward is not None else traj.last_reward,
+            steps=(*traj.steps, (event.turn, event.reward, event.done)),
         )
+    elif isinstance(event, TrajectoryTooStale):
+        traj = _evolve_staleness(traj, event)
     elif isinstance(event, TrajectoryCompleted):
         traj = replace(traj, completed=True, final_reward=event.final_reward)
     book[key] = traj
     return traj
+
+
+def _evolve_staleness(traj: TrajectoryState, event: TrajectoryTooStale) -> TrajectoryState:
+    if event.outcome == "kept":
+        return replace(traj, stale_kept=True)
+    if event.outcome == "aborted":
+        return replace(traj, abandoned=True, restarts=traj.restarts + 1)
+    # Restarted: the turns from ``kept`` on leave the context (segments, calls, steps).
+    kept = event.turns_kept
+    steps = tuple(st for st in traj.steps if st[0] < kept)
+    rewards = [r for _, r, _ in steps if r is not None]
+    return replace(
+        traj,
+        segments=tuple(s for s in traj.segments if s.turn < kept),
+        tool_calls=tuple(c for c in traj.tool_calls if c.turn < kept),
+        turns=kept,
+        steps=steps,
+        stepped=any(st[0] == kept - 1 for st in steps),
+        done=any(d for _, _, d in steps),
+        last_reward=rewards[-1] if rewards else None,
+        restarts=traj.restarts + 1,
+    )
 
 
 def fold_trajectories(

@@ -46,6 +46,7 @@ from rolloutlog.controller.domain.trajectory import (
     TrajectoryCompleted,
     TrajectoryResumed,
     TrajectoryStarted,
+    TrajectoryTooStale,
 )
 from rolloutlog.controller.prompt_ledger import build_ledger, cross_check
 from rolloutlog.controller.rollout_controller import replay
@@ -440,7 +441,8 @@ def multi_turn_summary(
     - ``trajectories_lost``: trajectories with a durable model call that never completed
       and whose prompt is neither live at the end, nor dropped or evicted (recorded);
     - ``model_calls_regenerated_after_restore``: model calls recorded again for a turn
-      that already had one (same group, sibling, prompt and turn);
+      that already had one (same group, sibling, prompt and turn), except those made
+      again because the staleness policy abandoned the turn (``TrajectoryTooStale``);
     - ``tool_calls_executed_twice``: idempotency keys the tool ran more than once (its
       ledger), or with more than one result in the log;
     - ``turns_salvaged``: recorded model calls a restore reused (``TrajectoryResumed``);
@@ -451,6 +453,7 @@ def multi_turn_summary(
     ledger = build_ledger(store, run_id)
     prompt_of: dict[tuple[int, int], tuple[int, int]] = {}
     calls: dict[tuple[int, int, int, int, int], int] = {}
+    abandoned: dict[tuple[int, int, int, int, int], int] = {}
     results: dict[str, int] = {}
     started: set[tuple[int, int, int, int]] = set()
     with_turns: set[tuple[int, int, int, int]] = set()
@@ -481,6 +484,9 @@ def multi_turn_summary(
             completed.add(traj)
         elif isinstance(ev, TrajectoryResumed):
             salvaged += ev.model_calls_reused
+        elif isinstance(ev, TrajectoryTooStale):
+            for t in range(ev.turns_kept, ev.turns_kept + ev.turns_abandoned):
+                abandoned[(*traj, t)] = abandoned.get((*traj, t), 0) + 1
     live = {(g.data_pass, g.prompt_index) for g in state.groups.values()}
     settled = live | ledger.dropped_keys | ledger.evicted_keys
     lost = [t for t in with_turns - completed if (t[2], t[3]) not in settled]
@@ -492,7 +498,9 @@ def multi_turn_summary(
         "trajectories": len(started),
         "trajectories_lost": len(lost),
         "model_calls": sum(calls.values()),
-        "model_calls_regenerated_after_restore": sum(n - 1 for n in calls.values()),
+        "model_calls_regenerated_after_restore": sum(
+            max(0, n - 1 - abandoned.get(k, 0)) for k, n in calls.items()
+        ),
         "tool_calls_executed": len(ledger_entries),
         "tool_calls_executed_twice": len(twice),
         "tool_calls_status_checked": status_checked,
