@@ -10,12 +10,16 @@ with TRL's ``TrainerState``/``TrainerControl``. Generation is the deterministic 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
+import queue
 import threading
+import time
 import warnings
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -31,9 +35,10 @@ from trl.experimental.async_grpo.async_grpo_trainer import (
 )
 
 from rolloutlog.controller.backends.deterministic_backend import DeterministicBackend
-from rolloutlog.controller.domain import CODEC
+from rolloutlog.controller.domain import CODEC, Phase
+from rolloutlog.controller.metrics.ranges import project_history
 from rolloutlog.controller.prompt_ledger import build_ledger, cross_check
-from rolloutlog.controller.replay_tool import state_at
+from rolloutlog.controller.replay_tool import state_at, verify_decisions
 from rolloutlog.controller.rollout_index import read_where
 from rolloutlog.eventstore import EventStore
 from rolloutlog.grpo.tiny_model import build_tokenizer
@@ -47,8 +52,10 @@ from rolloutlog.integrations.trl import (
     WorkerFailedError,
     read_checkpoint,
 )
+from rolloutlog.integrations.trl.worker import _trl_sample_class
 
 G = 4  # num_generations
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
@@ -254,13 +261,12 @@ def _jitter(request: Any) -> float:
 def test_staleness_is_owned_by_the_log(tokenizer: Any, tmp_path: Path) -> None:
     """max_staleness=1, generation one step ahead with uneven latencies: every group TRL
     receives is within the bound when it trains (the log's selections say so), TRL's
-    RolloutQueueDataset drops none, and a lookahead past max_staleness is refused."""
+    RolloutQueueDataset drops none (nor does the log evict any), and a lookahead of 0 is
+    refused."""
     args = _args(tmp_path, max_staleness=1)
     url = f"sqlite:///{tmp_path / 'log.db'}"
-    with pytest.raises(
-        TrlConfigError, match="lookahead=2: it must be between 1 and max_staleness=1"
-    ):
-        _worker(tokenizer, url, args, lookahead=2)
+    with pytest.raises(TrlConfigError, match="lookahead=0: it must be at least 1"):
+        _worker(tokenizer, url, args, lookahead=0)
     worker = _worker(tokenizer, url, args, latency=_jitter)
     trainer = FakeTrainer(worker, args, tokenizer)
     trainer.begin()
@@ -283,6 +289,126 @@ def test_staleness_is_owned_by_the_log(tokenizer: Any, tmp_path: Path) -> None:
         assert evicted == len(read_where(store, run_id, event_type="GroupEvicted")) == 0
     finally:
         store.close()
+
+
+TRL_LOGGER = "trl.experimental.async_grpo.async_grpo_trainer"
+
+
+def _on_loop(worker: RolloutlogWorker, fn: Callable[[], T]) -> T:
+    """``fn()`` on the worker's loop (the state is the loop's: no torn reads)."""
+
+    async def call() -> T:
+        return fn()
+
+    return worker._call(call())
+
+
+def _ran_ahead(worker: RolloutlogWorker, lookahead: int) -> bool:
+    """Generation is as far ahead as the lookahead lets it, and the next step is handed."""
+    assert worker.controller is not None
+    state = worker.controller.state
+    return (
+        state.dispatch_cursor > state.train_step + lookahead
+        and not state.live_groups(Phase.ADMITTED)
+        and worker._next_step == state.train_step + 2
+    )
+
+
+def _wait(what: Callable[[], bool], deadline_s: float = 30.0) -> None:
+    end = time.monotonic() + deadline_s
+    while not what():
+        assert time.monotonic() < end, "generation did not run ahead within the deadline"
+        time.sleep(0.01)
+
+
+def _trl_drops(caplog: pytest.LogCaptureFixture, metrics: dict[str, list[Any]]) -> tuple[int, int]:
+    """TRL's own count of dropped stale samples: its metric and its log lines."""
+    logged = [r for r in caplog.records if "dropping stale sample" in r.getMessage()]
+    return int(sum(metrics.get("sample/dropped_stale_total", []))), len(logged)
+
+
+def test_generation_ahead_of_a_slow_trainer_is_evicted_by_the_log_not_dropped_by_trl(
+    tokenizer: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """max_staleness=1, lookahead=2, a trainer slower than generation (each step waits
+    until generation ran as far ahead as it may): every step from 2 on was generated two
+    versions before it trains. rolloutlog evicts those groups (GroupEvicted in the log,
+    the stale-eviction metric, the worker's metric in TRL's queue) a version before they
+    are stale and refills their slots; TRL's RolloutQueueDataset drops no sample (its
+    counter and its log line), every sample it sees is within max_staleness, and the
+    replay tool re-decides every eviction from the log."""
+    from accelerate import PartialState
+
+    PartialState(cpu=True)  # TRL's logger (accelerate's) needs it to log a drop
+    caplog.set_level(logging.INFO, logger=TRL_LOGGER)
+    lookahead, steps = 2, 8
+    args = _args(tmp_path, max_staleness=1)
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    worker = _worker(tokenizer, url, args, lookahead=lookahead, dataset=_dataset(120))
+    trainer = FakeTrainer(worker, args, tokenizer)
+    trainer.begin()
+    try:
+        for _ in range(steps):
+            _wait(lambda: _on_loop(worker, lambda: _ran_ahead(worker, lookahead)))
+            trainer.step()
+        assert worker.steps_recorded == steps
+    finally:
+        worker.stop()
+    pushed = 0.0
+    while not worker.metrics_queue.empty():
+        pushed += worker.metrics_queue.get_nowait().get("rolloutlog/groups_evicted_stale_total", 0)
+    assert _trl_drops(caplog, trainer.metrics) == (0, 0)
+    assert max(trainer.metrics["sample/staleness_max"]) <= 1
+    assert len(trainer.metrics["sample/staleness_max"]) >= steps * 2 * G
+    store = EventStore.open(url)
+    try:
+        run_id = worker.run_id or ""
+        evicted = [CODEC.decode(e) for e in read_where(store, run_id, event_type="GroupEvicted")]
+        # Steps 2..8 were generated two versions ahead (step 9's eviction may follow the
+        # last publish after the trainer stopped fetching).
+        steps_evicted = {e.target_step for e in evicted}  # type: ignore[attr-defined]
+        assert set(range(2, steps + 1)) <= steps_evicted <= set(range(2, steps + 2))
+        assert all(
+            e.reason == "stale at its train step: staleness 2 > bound 1"  # type: ignore[attr-defined]
+            and e.staleness == 2  # type: ignore[attr-defined]
+            for e in evicted
+        )
+        n = len(evicted)
+        assert n >= 2 * (steps - 1)
+        assert worker.controller is not None
+        assert worker.controller.state.counters.groups_evicted == n
+        report = project_history(store, run_id)
+        (family,) = [f for f in report.families() if f.name == "rollout_groups_evicted_total"]
+        by_label = {tuple(sorted(dict(x.labels).items())): x.value for x in family.samples}
+        assert by_label[(("reason", "stale"), ("recovered", "false"))] == n
+        assert 0 < pushed <= n  # the worker's metric: evictions up to its last hand-off
+        selected = read_where(store, run_id, event_type="GroupSelected")
+        staleness = [CODEC.decode(e).staleness for e in selected]  # type: ignore[attr-defined]
+        assert len(staleness) == steps * 2 and max(staleness) <= 1
+        assert verify_decisions(store, run_id).mismatch is None
+    finally:
+        store.close()
+
+    # The count above is TRL's: the same dataset drops a sample one version too old.
+    sample = _trl_sample_class()(
+        prompt=[],
+        completion=[],
+        input_ids=np.ones(4, dtype=np.int64),
+        completion_mask=np.ones(4, dtype=np.int64),
+        old_log_probs=np.zeros(4, dtype=np.float32),
+        advantage=0.0,
+        model_version=1,
+        group_id=0,
+        metrics={},
+    )
+    fresh = dataclasses.replace(sample, model_version=3)
+    q: queue.Queue[Any] = queue.Queue()
+    q.put(sample)
+    q.put(fresh)
+    metrics: dict[str, list[Any]] = defaultdict(list)
+    control = RolloutQueueDataset(q, lambda: 3, lambda _s: None, 30.0, metrics, max_staleness=1)
+    assert next(iter(control))["group_id"] == 0 and int(fresh.model_version) == 3
+    assert _trl_drops(caplog, metrics) == (1, 1)
 
 
 def test_resume_from_on_save_checkpoint(tokenizer: Any, tmp_path: Path) -> None:

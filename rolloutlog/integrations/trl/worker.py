@@ -9,8 +9,9 @@ fills them from rolloutlog's runtime, on a thread of its own running an asyncio 
   ``s``) are handed to TRL as one contiguous run of samples, in step order, each only once
   its completions are durable (flushed) and only if it cannot become stale before it
   trains (TRL's ``max_staleness`` is rolloutlog's ``staleness_bound``): a group that would
-  is held back and evicted by rolloutlog at the next weight publish, so TRL's
-  ``RolloutQueueDataset`` never drops one;
+  (generated more than ``max_staleness`` versions ahead) is held back and evicted by
+  rolloutlog (``EvictDoomed``) once a replacement generated now would be in bound, so
+  TRL's ``RolloutQueueDataset`` never drops one;
 - one rolloutlog train step is one TRL optimizer step: the callback
   (:class:`RolloutlogCallback`) records a step as trained when the optimizer step that
   consumed its samples ends, and ``on_save`` writes the log's checkpoint offset into the
@@ -86,9 +87,12 @@ class RolloutlogWorker:
             staleness bound and groups per step, unless given explicitly.
         run_id: the log's run id (new run: a fresh one if omitted; a resume uses the
             checkpoint's, and a different one here is refused).
-        lookahead: train steps generation may run ahead, 1 to ``max_staleness`` (the
-            default): a group is generated no earlier than ``lookahead`` weight versions
-            before the step that trains it, so none can go stale before it trains.
+        lookahead: train steps generation may run ahead, at least 1 (default
+            ``max_staleness``): a group is generated no earlier than ``lookahead`` weight
+            versions before the step that trains it, so up to ``max_staleness`` none can go
+            stale before it trains. Beyond it, generation runs further ahead of a slow
+            trainer, and a group that would train too stale is evicted by the log (and
+            replaced) a version before it is stale, never handed to TRL.
         rollout: further RolloutConfig fields (``spare_pool_size``, ``drop_policy``, ...).
         extra_reward: rolloutlog's own reward ``(prompt index, completion ids) -> float``,
             added to the TRL functions' sum.
@@ -168,10 +172,10 @@ class RolloutlogWorker:
             )
         if lookahead is None:
             lookahead = max_staleness
-        if not 1 <= lookahead <= max_staleness:
+        if lookahead < 1:
             raise TrlConfigError(
-                f"lookahead={lookahead}: it must be between 1 and max_staleness={max_staleness} "
-                "(then no group handed to TRL can go stale before it trains)"
+                f"lookahead={lookahead}: it must be at least 1 (TRL fetches the next step's "
+                "first micro-batch before it trains the current one)"
             )
         fields = {
             "group_size": int(num_generations),
@@ -252,6 +256,7 @@ class RolloutlogWorker:
         self._to_record: list[_Handed] = []
         self._held_since: float | None = None
         self._held: tuple[int, int] | None = None  # (step, groups held back)
+        self._doomed_checked: tuple[int, int, int] | None = None
         self._exhausted: str | None = None
         self._last_counts = (0, 0)  # (evicted, dropped) last pushed
         self._heartbeat = time.time()
@@ -373,8 +378,8 @@ class RolloutlogWorker:
             raise WorkerFailedError(
                 f"train step {step} cannot be handed to TRL: {count} of its groups would "
                 f"exceed max_staleness={self.max_staleness} when they train and rolloutlog "
-                "evicts them only at the next weight publish; set lookahead below "
-                "max_staleness"
+                "has not evicted them (no replacement could be in bound yet); set lookahead "
+                "to at most max_staleness"
             )
         age = time.time() - self._heartbeat
         if self._thread is not None and age > stale_after_s:
@@ -587,7 +592,18 @@ class RolloutlogWorker:
         s = self._next_step
         groups = self._step_groups(controller, s)
         if groups is None:
-            return False
+            if self._held is None or self._held[0] != s:
+                return False
+            # Groups that will be stale when step s trains: the log evicts them as soon
+            # as a replacement generated now would be in bound (a version before they
+            # are stale), so the slot refills before TRL (fetching a micro-batch ahead)
+            # waits for it.
+            state = controller.state
+            key = (s, state.train_step, state.published_version)
+            if key == self._doomed_checked:
+                return False
+            self._doomed_checked = key
+            return await runtime.evict_doomed() > 0
         await controller.aflush()  # the output commit: durable before TRL sees it
         again = self._step_groups(controller, s)  # a publish may have run meanwhile
         if again is None or [g.group_id for g in again] != [g.group_id for g in groups]:
