@@ -12,6 +12,9 @@ fills them from rolloutlog's runtime, on a thread of its own running an asyncio 
   (generated more than ``max_staleness`` versions ahead) is held back and evicted by
   rolloutlog (``EvictDoomed``) once a replacement generated now would be in bound, so
   TRL's ``RolloutQueueDataset`` never drops one;
+- with TRL's ``tools`` / ``environment_factory``, each sibling is a multi-turn trajectory
+  (``TrajectoryBackend``): TRL gets the whole conversation, tool and environment tokens
+  masked out of the loss (``completion_mask`` 0), from the trajectory's record in the log;
 - one rolloutlog train step is one TRL optimizer step: the callback
   (:class:`RolloutlogCallback`) records a step as trained when the optimizer step that
   consumed its samples ends, and ``on_save`` writes the log's checkpoint offset into the
