@@ -33,6 +33,7 @@ from .domain.events import (
     StepTrained,
     WeightsPublished,
 )
+from .domain.samplers import DOOMED_EVICTION
 from .domain.state import Phase, RunState
 from .rollout_history import check_cursors, iter_history, replay
 from .rollout_index import IndexedEvent, read_where
@@ -95,6 +96,14 @@ def _leads(event: RolloutEvent, current: Decision | None) -> bool:
             isinstance(lead, WeightsPublished) and event.reason.startswith("stale weights:")
         )
     if isinstance(event, GroupEvicted):
+        # EvictDoomed's evictions are a decision of their own (none other evicts so).
+        doomed = event.reason.startswith(DOOMED_EVICTION)
+        if doomed or (isinstance(lead, GroupEvicted) and lead.reason.startswith(DOOMED_EVICTION)):
+            return not (
+                doomed
+                and isinstance(lead, GroupEvicted)
+                and lead.reason.startswith(DOOMED_EVICTION)
+            )
         return lead.event_type not in ("WeightsPublished", "GroupEvicted", "RunRestored")
     if isinstance(event, GroupSelected):
         return not isinstance(lead, GroupSelected)
@@ -503,6 +512,8 @@ def command_for(decision: Decision, state: RunState) -> commands.Command | None:
     if isinstance(lead, GroupSelected):
         return commands.SelectBatch(lead.train_step)
     if isinstance(lead, GroupEvicted):
+        if lead.reason.startswith(DOOMED_EVICTION):
+            return commands.EvictDoomed()
         return commands.SelectBatch(state.train_step)
     if isinstance(lead, StepTrained):
         return commands.RecordTrainStep(lead.train_step, lead.weight_version)

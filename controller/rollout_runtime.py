@@ -680,6 +680,17 @@ class RolloutRuntime:
         self.controller.execute(commands.RecordTrainStep(train_step, weight_version))
         self._changed.set()
 
+    async def evict_doomed(self) -> int:
+        """Evict the ``in_order`` groups that will be stale at their target step, once a
+        replacement generated now would not be (``EvictDoomed``); returns how many."""
+        self._raise_if_failed()
+        applied = self.controller.execute(commands.EvictDoomed())
+        events = [ev for _, ev in applied]
+        if events:
+            await self._abort_in_backend(events)
+            self._changed.set()
+        return sum(1 for ev in events if ev.event_type == "GroupEvicted")
+
     async def publish_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int
     ) -> None:

@@ -128,6 +128,12 @@ class EvictStale:
 
 
 @dataclass(frozen=True, slots=True)
+class EvictDoomed:
+    """Evict the ``in_order`` groups that will be stale at their target step, once a
+    replacement generated at the published weights would not be (``doomed_groups``)."""
+
+
+@dataclass(frozen=True, slots=True)
 class RecordEngineJoined:
     """A generation engine answers at ``address`` holding ``weight_version`` (None: unknown)."""
 
@@ -167,6 +173,7 @@ Command = (
     | Restore
     | Resume
     | EvictStale
+    | EvictDoomed
     | RecordEngineJoined
     | RecordEngineLost
     | RecordEngineRefit

@@ -28,6 +28,7 @@ _DECIDERS: dict[type, Callable[[RunState, Any], list[RolloutEvent]]] = {
     commands.Restore: restore.decide_restore,
     commands.Resume: restore.decide_resume,
     commands.EvictStale: lambda state, cmd: restore.decide_evict_stale(state, cmd.reason),
+    commands.EvictDoomed: training.decide_evict_doomed,
     commands.RecordEngineJoined: engines.decide_joined,
     commands.RecordEngineLost: engines.decide_lost,
     commands.RecordEngineRefit: engines.decide_refit,

@@ -53,6 +53,39 @@ def stale_groups(state: RunState, phases: tuple[Phase, ...]) -> list[tuple[Group
     return sorted(out, key=lambda item: item[0].group_id)
 
 
+#: The reason of an eviction by ``EvictDoomed`` (the replay tool tells such a decision
+#: from a batch selection's evictions by it).
+DOOMED_EVICTION = "stale at its train step"
+
+
+def doomed_groups(state: RunState) -> list[tuple[GroupState, int]]:
+    """``in_order`` groups that will exceed the staleness bound at their target step,
+    each with that staleness, once a replacement generated now would not.
+
+    An ``in_order`` group trains at its stamped step ``t``, at weight version
+    ``weight_version + (t - train_step)`` (one version per train step), so its staleness
+    there is known as soon as one sibling finished. Evicting it only when it is stale
+    (the publish of ``t``'s version) leaves its slot empty when the trainer reaches
+    ``t``; evicting it before its replacement could be in bound would only waste one.
+    """
+    rules = state.rules
+    if rules.sampler != "in_order":
+        return []
+    bound = rules.staleness_bound
+    out = []
+    for g in state.live_groups(Phase.ADMITTED, Phase.READY):
+        t = g.target_step
+        if t is None or t < state.train_step or t in state.batches:
+            continue
+        oldest = g.oldest_version()
+        if oldest is None:
+            continue
+        at = state.weight_version + (t - state.train_step)
+        if at - oldest > bound and at - state.published_version <= bound:
+            out.append((g, at - oldest))
+    return sorted(out, key=lambda item: item[0].group_id)
+
+
 def _order_windowed(g: GroupState) -> tuple[int, int]:
     return (g.target_step if g.target_step is not None else -1, g.group_id)
 

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from .buffer import VacancyPlanner
-from .commands import MarkCheckpoint, PublishWeights, RecordTrainStep, SelectBatch
+from .commands import EvictDoomed, MarkCheckpoint, PublishWeights, RecordTrainStep, SelectBatch
 from .errors import (
     BatchNotReadyError,
     IllegalTransitionError,
@@ -21,7 +21,7 @@ from .events import (
     StepTrained,
     WeightsPublished,
 )
-from .samplers import plan_batch, stale_groups
+from .samplers import DOOMED_EVICTION, doomed_groups, plan_batch, stale_groups
 from .state import CheckpointRef, Phase, RunState, SiblingStatus
 
 # ---------------------------------------------------------------- decide
@@ -63,6 +63,12 @@ def decide_select(state: RunState, cmd: SelectBatch) -> list[RolloutEvent]:
         )
     )
     return events
+
+
+def decide_evict_doomed(state: RunState, _cmd: EvictDoomed) -> list[RolloutEvent]:
+    """Evictions (with refills) of the groups ``doomed_groups`` names; none: no events."""
+    doomed = doomed_groups(state)
+    return VacancyPlanner.evict_stale(state, doomed, DOOMED_EVICTION) if doomed else []
 
 
 def decide_train(state: RunState, cmd: RecordTrainStep) -> list[RolloutEvent]:

@@ -18,6 +18,7 @@ from domain_helpers import (
 )
 
 from rolloutlog.controller.domain import (
+    EvictDoomed,
     MarkCheckpoint,
     Phase,
     PublishWeights,
@@ -284,3 +285,43 @@ def test_checkpoint_marker_records_the_cursors() -> None:
         5,
     )
     assert run.state.checkpoint == CheckpointRef(offset=offset, train_step=1, weight_version=1)
+
+
+def test_in_order_group_doomed_at_its_step_is_evicted_one_version_ahead() -> None:
+    """lookahead 2 > bound 1: step 2's group, generated with weights 0, will be two
+    versions behind when step 2 trains. EvictDoomed leaves it while a replacement would
+    be stale too, evicts it once one generated now is in bound (after the publish of 1,
+    a version before it is stale itself), and the slot is refilled at once."""
+    run = PureRun(
+        groups_per_step=1, lookahead=2, spare_pool_size=1, staleness_bound=1, sampler="in_order"
+    )
+    admit_all(run)  # step 0: 0; spare 1; steps 1, 2: 2, 3
+    for step in range(3):
+        finish_step(run, step, version=0)
+    assert run.execute(EvictDoomed()) == []  # a replacement now would be as stale
+    train(run)  # step 0 trained, weights 1 published
+    assert run.state.staleness(run.state.groups[3]) == 1  # not stale yet: the publish kept it
+    applied = run.execute(EvictDoomed())
+    (ev,) = only(applied, "GroupEvicted")
+    assert (ev.group_id, ev.target_step, ev.staleness, ev.outcome) == (3, 2, 2, "replaced")
+    assert ev.reason == "stale at its train step: staleness 2 > bound 1"
+    assert [e.group_id for e in only(applied, "SpareAssigned")] == [1]
+    assert run.state.counters.groups_evicted == 1
+    check_invariants(run.state)
+    assert run.execute(EvictDoomed()) == []  # step 1's group (weights 0) trains in bound
+    finish_step(run, 2, version=1)  # the spare, generated with weights 1
+    train(run)  # step 1: its group, weights 0, one version behind
+    selected = only(train(run), "GroupSelected")  # step 2: the spare
+    assert [(e.group_id, e.staleness) for e in selected] == [(1, 1)]
+
+
+@pytest.mark.parametrize("sampler", ["windowed", "weight_fifo", "ready_first"])
+def test_evict_doomed_is_in_order_only(sampler: str) -> None:
+    run = PureRun(
+        groups_per_step=1, lookahead=2, spare_pool_size=1, staleness_bound=1, sampler=sampler
+    )
+    admit_all(run)
+    for step in range(3):
+        finish_step(run, step, version=0)
+    train(run)
+    assert run.execute(EvictDoomed()) == []

@@ -10,12 +10,17 @@ with TRL's ``TrainerState``/``TrainerControl``. Generation is the deterministic 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
+import queue
+import re
 import threading
+import time
 import warnings
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -30,11 +35,16 @@ from trl.experimental.async_grpo.async_grpo_trainer import (
     RolloutQueueDataset,
 )
 
+from rolloutlog.controller.backends.base import GroupRequest, SiblingSpec
 from rolloutlog.controller.backends.deterministic_backend import DeterministicBackend
-from rolloutlog.controller.domain import CODEC
+from rolloutlog.controller.domain import CODEC, Phase
+from rolloutlog.controller.environments import ToolCall
+from rolloutlog.controller.metrics.ranges import project_history
+from rolloutlog.controller.multiturn import MultiTurnConfig
 from rolloutlog.controller.prompt_ledger import build_ledger, cross_check
-from rolloutlog.controller.replay_tool import state_at
+from rolloutlog.controller.replay_tool import state_at, verify_decisions
 from rolloutlog.controller.rollout_index import read_where
+from rolloutlog.controller.rollout_runtime import GenerationConfig
 from rolloutlog.eventstore import EventStore
 from rolloutlog.grpo.tiny_model import build_tokenizer
 from rolloutlog.integrations.trl import (
@@ -47,8 +57,10 @@ from rolloutlog.integrations.trl import (
     WorkerFailedError,
     read_checkpoint,
 )
+from rolloutlog.integrations.trl.worker import _trl_sample_class
 
 G = 4  # num_generations
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +157,8 @@ class FakeTrainer:
         self.batcher = FixedCountBatcher(dataset, 1, args.per_device_train_batch_size)
         self.collate = DataCollatorForRollout(tokenizer.pad_token_id, 1, metrics=self.metrics)
         self.trained_groups: list[int] = []
+        #: Every example TRL's RolloutQueueDataset yielded (what the collator packs).
+        self.examples: list[dict[str, Any]] = []
 
     def begin(self, *, accelerate: bool = False) -> None:
         cb = self.worker.callback
@@ -176,6 +190,7 @@ class FakeTrainer:
         def fetch() -> tuple[Any, list[int]]:
             rows = next(source)
             gids = [int(s["group_id"]) for row in rows for s in row.samples]
+            self.examples.extend(s for row in rows for s in row.samples)
             return self.collate_fn([rows]), gids
 
         current = fetch()
@@ -254,13 +269,12 @@ def _jitter(request: Any) -> float:
 def test_staleness_is_owned_by_the_log(tokenizer: Any, tmp_path: Path) -> None:
     """max_staleness=1, generation one step ahead with uneven latencies: every group TRL
     receives is within the bound when it trains (the log's selections say so), TRL's
-    RolloutQueueDataset drops none, and a lookahead past max_staleness is refused."""
+    RolloutQueueDataset drops none (nor does the log evict any), and a lookahead of 0 is
+    refused."""
     args = _args(tmp_path, max_staleness=1)
     url = f"sqlite:///{tmp_path / 'log.db'}"
-    with pytest.raises(
-        TrlConfigError, match="lookahead=2: it must be between 1 and max_staleness=1"
-    ):
-        _worker(tokenizer, url, args, lookahead=2)
+    with pytest.raises(TrlConfigError, match="lookahead=0: it must be at least 1"):
+        _worker(tokenizer, url, args, lookahead=0)
     worker = _worker(tokenizer, url, args, latency=_jitter)
     trainer = FakeTrainer(worker, args, tokenizer)
     trainer.begin()
@@ -283,6 +297,126 @@ def test_staleness_is_owned_by_the_log(tokenizer: Any, tmp_path: Path) -> None:
         assert evicted == len(read_where(store, run_id, event_type="GroupEvicted")) == 0
     finally:
         store.close()
+
+
+TRL_LOGGER = "trl.experimental.async_grpo.async_grpo_trainer"
+
+
+def _on_loop(worker: RolloutlogWorker, fn: Callable[[], T]) -> T:
+    """``fn()`` on the worker's loop (the state is the loop's: no torn reads)."""
+
+    async def call() -> T:
+        return fn()
+
+    return worker._call(call())
+
+
+def _ran_ahead(worker: RolloutlogWorker, lookahead: int) -> bool:
+    """Generation is as far ahead as the lookahead lets it, and the next step is handed."""
+    assert worker.controller is not None
+    state = worker.controller.state
+    return (
+        state.dispatch_cursor > state.train_step + lookahead
+        and not state.live_groups(Phase.ADMITTED)
+        and worker._next_step == state.train_step + 2
+    )
+
+
+def _wait(what: Callable[[], bool], deadline_s: float = 30.0) -> None:
+    end = time.monotonic() + deadline_s
+    while not what():
+        assert time.monotonic() < end, "generation did not run ahead within the deadline"
+        time.sleep(0.01)
+
+
+def _trl_drops(caplog: pytest.LogCaptureFixture, metrics: dict[str, list[Any]]) -> tuple[int, int]:
+    """TRL's own count of dropped stale samples: its metric and its log lines."""
+    logged = [r for r in caplog.records if "dropping stale sample" in r.getMessage()]
+    return int(sum(metrics.get("sample/dropped_stale_total", []))), len(logged)
+
+
+def test_generation_ahead_of_a_slow_trainer_is_evicted_by_the_log_not_dropped_by_trl(
+    tokenizer: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """max_staleness=1, lookahead=2, a trainer slower than generation (each step waits
+    until generation ran as far ahead as it may): every step from 2 on was generated two
+    versions before it trains. rolloutlog evicts those groups (GroupEvicted in the log,
+    the stale-eviction metric, the worker's metric in TRL's queue) a version before they
+    are stale and refills their slots; TRL's RolloutQueueDataset drops no sample (its
+    counter and its log line), every sample it sees is within max_staleness, and the
+    replay tool re-decides every eviction from the log."""
+    from accelerate import PartialState
+
+    PartialState(cpu=True)  # TRL's logger (accelerate's) needs it to log a drop
+    caplog.set_level(logging.INFO, logger=TRL_LOGGER)
+    lookahead, steps = 2, 8
+    args = _args(tmp_path, max_staleness=1)
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    worker = _worker(tokenizer, url, args, lookahead=lookahead, dataset=_dataset(120))
+    trainer = FakeTrainer(worker, args, tokenizer)
+    trainer.begin()
+    try:
+        for _ in range(steps):
+            _wait(lambda: _on_loop(worker, lambda: _ran_ahead(worker, lookahead)))
+            trainer.step()
+        assert worker.steps_recorded == steps
+    finally:
+        worker.stop()
+    pushed = 0.0
+    while not worker.metrics_queue.empty():
+        pushed += worker.metrics_queue.get_nowait().get("rolloutlog/groups_evicted_stale_total", 0)
+    assert _trl_drops(caplog, trainer.metrics) == (0, 0)
+    assert max(trainer.metrics["sample/staleness_max"]) <= 1
+    assert len(trainer.metrics["sample/staleness_max"]) >= steps * 2 * G
+    store = EventStore.open(url)
+    try:
+        run_id = worker.run_id or ""
+        evicted = [CODEC.decode(e) for e in read_where(store, run_id, event_type="GroupEvicted")]
+        # Steps 2..8 were generated two versions ahead (step 9's eviction may follow the
+        # last publish after the trainer stopped fetching).
+        steps_evicted = {e.target_step for e in evicted}  # type: ignore[attr-defined]
+        assert set(range(2, steps + 1)) <= steps_evicted <= set(range(2, steps + 2))
+        assert all(
+            e.reason == "stale at its train step: staleness 2 > bound 1"  # type: ignore[attr-defined]
+            and e.staleness == 2  # type: ignore[attr-defined]
+            for e in evicted
+        )
+        n = len(evicted)
+        assert n >= 2 * (steps - 1)
+        assert worker.controller is not None
+        assert worker.controller.state.counters.groups_evicted == n
+        report = project_history(store, run_id)
+        (family,) = [f for f in report.families() if f.name == "rollout_groups_evicted_total"]
+        by_label = {tuple(sorted(dict(x.labels).items())): x.value for x in family.samples}
+        assert by_label[(("reason", "stale"), ("recovered", "false"))] == n
+        assert 0 < pushed <= n  # the worker's metric: evictions up to its last hand-off
+        selected = read_where(store, run_id, event_type="GroupSelected")
+        staleness = [CODEC.decode(e).staleness for e in selected]  # type: ignore[attr-defined]
+        assert len(staleness) == steps * 2 and max(staleness) <= 1
+        assert verify_decisions(store, run_id).mismatch is None
+    finally:
+        store.close()
+
+    # The count above is TRL's: the same dataset drops a sample one version too old.
+    sample = _trl_sample_class()(
+        prompt=[],
+        completion=[],
+        input_ids=np.ones(4, dtype=np.int64),
+        completion_mask=np.ones(4, dtype=np.int64),
+        old_log_probs=np.zeros(4, dtype=np.float32),
+        advantage=0.0,
+        model_version=1,
+        group_id=0,
+        metrics={},
+    )
+    fresh = dataclasses.replace(sample, model_version=3)
+    q: queue.Queue[Any] = queue.Queue()
+    q.put(sample)
+    q.put(fresh)
+    metrics: dict[str, list[Any]] = defaultdict(list)
+    control = RolloutQueueDataset(q, lambda: 3, lambda _s: None, 30.0, metrics, max_staleness=1)
+    assert next(iter(control))["group_id"] == 0 and int(fresh.model_version) == 3
+    assert _trl_drops(caplog, metrics) == (1, 1)
 
 
 def test_resume_from_on_save_checkpoint(tokenizer: Any, tmp_path: Path) -> None:
@@ -363,8 +497,12 @@ def test_resume_refusals(tokenizer: Any, tmp_path: Path) -> None:
     other = _worker(tokenizer, url, args, dataset=_dataset(41))
     with pytest.raises(LogMismatchError, match="resume with the same train_dataset"):
         other.resume_from(str(folder))
-    with pytest.raises(UnsupportedTrlFeatureError, match="tools/environment_factory"):
-        _worker(tokenizer, url, args, tools=[length_reward])
+    with pytest.raises(UnsupportedTrlFeatureError, match="not a dict of them"):
+        _worker(tokenizer, url, args, environment_factory={"sum": SumEnv})
+    with pytest.raises(TrlConfigError, match="no reset method"):
+        _worker(tokenizer, url, args, environment_factory=object)
+    with pytest.raises(TrlConfigError, match="pass named functions as tools"):
+        _worker(tokenizer, url, args, tools=[lambda a: a])
 
 
 def test_streaming_dataset(tokenizer: Any, tmp_path: Path) -> None:
@@ -475,3 +613,216 @@ def test_epochs_counted_in_the_log_stop_training(tokenizer: Any, tmp_path: Path)
         assert max(worker.callback.step_ms) < 1000
     finally:
         worker.stop()
+
+
+# ---------------------------------------------------------------- multi-turn (TRL's tools)
+
+ADD_RUNS: list[tuple[int, int]] = []
+
+
+def add(a: int, b: int) -> str:
+    """A plain TRL tool: each run is counted (a resume must not run it again)."""
+    ADD_RUNS.append((int(a), int(b)))
+    return str(int(a) + int(b))
+
+
+class SumEnv:
+    """A TRL environment: reset(**row), public methods as tools, get_reward."""
+
+    def __init__(self) -> None:
+        self.target: int | None = None
+        self.answer: int | None = None
+
+    def reset(self, **row: Any) -> str | None:
+        self.target, self.answer = int(row["a"]) + int(row["b"]), None
+        return None
+
+    def submit(self, answer: int) -> str:
+        self.answer = int(answer)
+        return "received"
+
+    def get_reward(self) -> float:
+        return 1.0 if self.answer == self.target else 0.0
+
+
+def _calls(text: str) -> list[ToolCall]:
+    """The tiny tokenizer's tool protocol: ``call NAME(ARGS)``."""
+    out = []
+    for name, raw in re.findall(r"call (\w+)\(([\d,]*)\)", text):
+        values = [int(v) for v in raw.split(",") if v]
+        keys = ("a", "b") if name == "add" else ("answer",)
+        out.append(ToolCall(name, dict(zip(keys, values, strict=False))))
+    return out
+
+
+def _mt_dataset(n: int = 60) -> Dataset:
+    a, b = [i % 7 for i in range(n)], [(3 * i + 1) % 5 for i in range(n)]
+    return Dataset.from_dict(
+        {"prompt": [f"add {x} and {y}" for x, y in zip(a, b, strict=True)], "a": a, "b": b}
+    )
+
+
+def _mt_script(tokenizer: Any) -> Callable[[GroupRequest, SiblingSpec], list[int]]:
+    """The model: calls add, then submits the sum, then says done."""
+
+    def enc(text: str) -> list[int]:
+        return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+
+    def script(request: GroupRequest, spec: SiblingSpec) -> list[int]:
+        ctx = tokenizer.decode(list(request.prompt_token_ids), skip_special_tokens=True)
+        if "received" in ctx:
+            return enc("done.")
+        found = re.search(r"call add\((\d+),(\d+)\)(\d+)", ctx)
+        if found:
+            return enc(f"call submit({found.group(3)})")
+        x, y = re.search(r"add (\d+) and (\d+)", ctx).groups()  # type: ignore[union-attr]
+        return enc(f"call add({x},{y})")
+
+    return script
+
+
+def answer_reward(completions: list[Any], a: list[int], b: list[int], **kw: Any) -> list[float]:
+    return [float(f"submit({x + y})" in c) for c, x, y in zip(completions, a, b, strict=True)]
+
+
+def _cut_after_add(worker: RolloutlogWorker, step: int) -> bool:
+    """Every trajectory of ``step``'s groups has its add call's result."""
+    assert worker.controller is not None and worker.trajectories is not None
+    state, book = worker.controller.state, worker.trajectories.book
+    groups = [g for g in state.groups.values() if g.target_step == step]
+    trajectories = [book.get((g.group_id, i)) for g in groups for i in range(len(g.siblings))]
+    return bool(groups) and all(
+        t is not None and any(c.tool == "add" and c.status == "completed" for c in t.tool_calls)
+        for t in trajectories
+    )
+
+
+def _mt_worker(
+    tokenizer: Any, url: str, args: AsyncGRPOConfig, latency: Any = 0.0
+) -> RolloutlogWorker:
+    backend = DeterministicBackend(
+        vocab_size=len(tokenizer),
+        max_model_len=256,
+        eos_token_id=tokenizer.eos_token_id,
+        seed=0,
+        latency=latency,
+        script=_mt_script(tokenizer),
+    )
+    return RolloutlogWorker(
+        store=url,
+        train_dataset=_mt_dataset(),
+        processing_class=tokenizer,
+        reward_funcs=[answer_reward],
+        backend=backend,
+        args=args,
+        timeout_s=60,
+        tools=[add],
+        environment_factory=SumEnv,
+        tool_parser=_calls,
+        generation=GenerationConfig(max_tokens=96),
+        multi_turn=MultiTurnConfig(max_turns=4, max_tokens_per_turn=24),
+    )
+
+
+def test_tools_and_environment_factory_reach_trl_masked_and_resume_reuses_tools(
+    tokenizer: Any, tmp_path: Path
+) -> None:
+    """TRL's tools and environment_factory on the worker: each trajectory (model calls
+    add, a plain tool; then submit, the environment's method; then ends) reaches TRL's
+    RolloutQueueDataset and collator with the tool results masked out of the loss
+    (completion_mask 0), the environment's get_reward as TRL's rewards/SumEnv column, and
+    a resume from an on_save checkpoint runs no tool call a second time (trajectories cut
+    after their add call resume with its recorded result)."""
+    ADD_RUNS.clear()
+    args = _args(tmp_path)
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    holder: list[RolloutlogWorker] = []
+
+    def stall_late_submits(request: GroupRequest) -> float:
+        # The first run's trajectories of step 4 (dispatched after the last publish of
+        # this run) stop after their add call (the stop cuts them): the resume must
+        # finish them without running add again.
+        ctl = holder[0].controller
+        assert ctl is not None
+        group = ctl.state.groups.get(request.group_id)
+        late = group is not None and (group.target_step or 0) >= 4
+        ctx = tokenizer.decode(list(request.prompt_token_ids), skip_special_tokens=True)
+        return 60.0 if late and "call add(" in ctx else 0.0
+
+    worker = _mt_worker(tokenizer, url, args, latency=stall_late_submits)
+    holder.append(worker)
+    trainer = FakeTrainer(worker, args, tokenizer)
+    trainer.begin()
+    try:
+        for _ in range(2):
+            trainer.step()
+        folder = trainer.save()
+        _wait(lambda: _on_loop(worker, lambda: _cut_after_add(worker, 4)))
+    finally:
+        worker.stop()
+    runs_before = len(ADD_RUNS)
+
+    # What TRL got: prompt, then add's call (model), its result (tool), submit's call
+    # (model), its result (environment), "done." (model).
+    def enc(text: str) -> list[int]:
+        return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+
+    example = trainer.examples[0]
+    ids = [int(t) for t in example["input_ids"]]
+    mask = [int(m) for m in example["completion_mask"]]
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    x, y = (int(v) for v in re.match(r"add (\d) and (\d)", text).groups())  # type: ignore[union-attr]
+    prompt = [int(t) for t in tokenizer(f"add {x} and {y}", add_special_tokens=True)["input_ids"]]
+    parts = [
+        (f"call add({x},{y})", 1),
+        (str(x + y), 0),
+        (f"call submit({x + y})", 1),
+        ("received", 0),
+        ("done.", 1),
+    ]
+    assert ids == prompt + [t for text, _ in parts for t in enc(text)]
+    assert mask == [0] * len(prompt) + [m for text, m in parts for _ in enc(text)]
+    assert example["old_log_probs"][len(prompt) + len(enc(parts[0][0]))] == 0.0  # a tool token
+    assert example["metrics"]["rewards/SumEnv"] == 1.0
+    assert example["metrics"]["rewards/answer_reward"] == 1.0
+    assert example["metrics"]["reward"] == 2.0
+    # TRL's collator packed the mask: its trained tokens are the model tokens only
+    assert min(trainer.metrics["sample/trained_tokens_mean"]) < len(ids) - len(prompt)
+    assert all(int(e["completion_mask"].sum()) < len(e["input_ids"]) - 1 for e in trainer.examples)
+
+    resumed = _mt_worker(tokenizer, url, args)
+    resumed.resume_from(str(folder))
+    trainer2 = FakeTrainer(resumed, args, tokenizer, global_step=2)
+    trainer2.begin()
+    try:
+        for _ in range(3):
+            trainer2.step()
+        assert resumed.trajectories is not None
+        stats = resumed.trajectories.stats
+        assert stats.trajectories_resumed >= 1 and stats.tool_results_reused >= 1
+    finally:
+        resumed.stop()
+    assert len(ADD_RUNS) > runs_before
+    store = EventStore.open(url)
+    try:
+        requested = [
+            CODEC.decode(e)
+            for e in read_where(store, resumed.run_id or "", event_type="ToolCallRequested")
+        ]
+        add_keys = {e.idempotency_key for e in requested if e.tool == "add"}  # type: ignore[attr-defined]
+        completed = [
+            CODEC.decode(e).idempotency_key  # type: ignore[attr-defined]
+            for e in read_where(store, resumed.run_id or "", event_type="ToolCallCompleted")
+        ]
+        # Each add call ran at most once, the resume included (a call the stop cut
+        # between its request and its result is not run again: TRL's tools are neither
+        # idempotent nor checkable), and each result is recorded once.
+        assert len(ADD_RUNS) <= len(add_keys)
+        assert len(completed) == len(set(completed))
+        assert len(ADD_RUNS) == len([k for k in completed if k in add_keys])
+        assert not [e for e in requested if e.tool not in ("add", "submit")]  # type: ignore[attr-defined]
+    finally:
+        store.close()
+    for e in trainer2.examples:
+        n = len(e["input_ids"])
+        assert 0 < int(e["completion_mask"].sum()) < n

@@ -102,7 +102,9 @@ class TrlPrompts:
     ``reward(index, completion_ids)`` calls every function of ``reward_funcs`` with TRL's
     signature (``prompts=, completions=, completion_ids=, **dataset columns``, lists of one
     element here), sync or async, plus ``extra_reward(index, completion_ids)`` (rolloutlog's
-    own reward, e.g. a ``PromptDataset``'s), and sums them. A function may return ``None``
+    own reward, e.g. a ``PromptDataset``'s) and ``env_reward`` (a multi-turn trajectory's
+    environment ``get_reward``, TRL's column named after the environment class), and sums
+    them. A function may return ``None``
     for a completion it cannot score; one for which every function returned ``None`` fails
     (rolloutlog records it and its drop policy fills the slot). The sum is what the log keeps.
     """
@@ -117,6 +119,8 @@ class TrlPrompts:
         dataset_size: int | None = None,
         fingerprint: str | None = None,
         reward_timeout_s: float = 300.0,
+        env_reward: Callable[[int, Sequence[int]], float | None] | None = None,
+        env_reward_name: str = "environment",
     ) -> None:
         if reward_funcs is None:
             funcs: list[RewardFunc] = []
@@ -130,8 +134,11 @@ class TrlPrompts:
                     f"reward function {func!r} is a model name: the rolloutlog worker takes "
                     "callables (wrap a reward model in a function)"
                 )
-        if not funcs and extra_reward is None:
-            raise TrlConfigError("no reward: pass reward_funcs (TRL's) or extra_reward")
+        if not funcs and extra_reward is None and env_reward is None:
+            raise TrlConfigError(
+                "no reward: pass reward_funcs (TRL's), extra_reward, or an environment_factory "
+                "whose environment defines get_reward"
+            )
         self.rows = _Rows(dataset, dataset_size)
         self.tokenizer = tokenizer
         self.reward_funcs = funcs
@@ -139,6 +146,9 @@ class TrlPrompts:
         self.reward_names = [reward_func_name(f) for f in funcs]
         if extra_reward is not None:
             self.reward_names.append("rolloutlog")
+        self.env_reward = env_reward
+        if env_reward is not None:  # TRL's column for an environment's get_reward
+            self.reward_names.append(env_reward_name)
         self.reward_timeout_s = reward_timeout_s
         self._fingerprint = fingerprint or self._compute_fingerprint()
         self._prompt_ids: dict[int, list[int]] = {}
@@ -192,6 +202,9 @@ class TrlPrompts:
                 values.append(self._call(func, prompt, completion, ids, kwargs))
         if self.extra_reward is not None:
             values.append(float(self.extra_reward(index, ids)))
+        if self.env_reward is not None:
+            env = self.env_reward(index, ids)
+            values.append(math.nan if env is None else float(env))
         scored = [v for v in values if not math.isnan(v)]
         if not scored:
             raise ValueError("every reward function returned None for this completion")

@@ -9,8 +9,12 @@ fills them from rolloutlog's runtime, on a thread of its own running an asyncio 
   ``s``) are handed to TRL as one contiguous run of samples, in step order, each only once
   its completions are durable (flushed) and only if it cannot become stale before it
   trains (TRL's ``max_staleness`` is rolloutlog's ``staleness_bound``): a group that would
-  is held back and evicted by rolloutlog at the next weight publish, so TRL's
-  ``RolloutQueueDataset`` never drops one;
+  (generated more than ``max_staleness`` versions ahead) is held back and evicted by
+  rolloutlog (``EvictDoomed``) once a replacement generated now would be in bound, so
+  TRL's ``RolloutQueueDataset`` never drops one;
+- with TRL's ``tools`` / ``environment_factory``, each sibling is a multi-turn trajectory
+  (``TrajectoryBackend``): TRL gets the whole conversation, tool and environment tokens
+  masked out of the loss (``completion_mask`` 0), from the trajectory's record in the log;
 - one rolloutlog train step is one TRL optimizer step: the callback
   (:class:`RolloutlogCallback`) records a step as trained when the optimizer step that
   consumed its samples ends, and ``on_save`` writes the log's checkpoint offset into the
@@ -42,6 +46,8 @@ from rolloutlog.controller.domain import SelectBatch
 from rolloutlog.controller.domain.admission import data_exhausted
 from rolloutlog.controller.domain.errors import RestoreError
 from rolloutlog.controller.domain.state import GroupState, Phase, SiblingStatus
+from rolloutlog.controller.environments import ToolCall, parse_tool_calls, tool_of
+from rolloutlog.controller.multiturn import MultiTurnConfig, TrajectoryBackend
 from rolloutlog.controller.rollout_controller import RecoveryReport, RolloutController
 from rolloutlog.controller.rollout_runtime import GenerationConfig, RolloutRuntime
 from rolloutlog.eventstore import EventStore, EventStoreProtocol, decode_arrays
@@ -69,6 +75,43 @@ def _trl_sample_class() -> Any:
     return RolloutSample
 
 
+class _HfTokens:
+    """A TRL tokenizer as the trajectory backend's :class:`Tokenizer` (text enters a
+    context once, without special tokens)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode([int(t) for t in token_ids], skip_special_tokens=True))
+
+
+def _tool_name(fn: Callable[..., Any]) -> str:
+    name = getattr(fn, "__name__", None)
+    if not name or name == "<lambda>":
+        raise TrlConfigError(f"tool {fn!r} has no name: pass named functions as tools")
+    return str(name)
+
+
+def _environment_reward_name(factory: Any) -> str | None:
+    """The name of TRL's reward column for ``factory``'s environments (the class's name)
+    when they define ``get_reward``; refuses one without ``reset`` as TRL does."""
+    if factory is None:
+        return None
+    probe = factory()
+    if not callable(getattr(type(probe), "reset", None)):
+        raise TrlConfigError(
+            f"the environment_factory's {type(probe).__name__} has no reset method: TRL's "
+            "environments define reset(**row)"
+        )
+    if callable(getattr(type(probe), "get_reward", None)):
+        return type(probe).__name__
+    return None
+
+
 class RolloutlogWorker:
     """A TRL rollout worker backed by rolloutlog (``rollout_worker=`` of AsyncGRPOTrainer).
 
@@ -86,9 +129,12 @@ class RolloutlogWorker:
             staleness bound and groups per step, unless given explicitly.
         run_id: the log's run id (new run: a fresh one if omitted; a resume uses the
             checkpoint's, and a different one here is refused).
-        lookahead: train steps generation may run ahead, 1 to ``max_staleness`` (the
-            default): a group is generated no earlier than ``lookahead`` weight versions
-            before the step that trains it, so none can go stale before it trains.
+        lookahead: train steps generation may run ahead, at least 1 (default
+            ``max_staleness``): a group is generated no earlier than ``lookahead`` weight
+            versions before the step that trains it, so up to ``max_staleness`` none can go
+            stale before it trains. Beyond it, generation runs further ahead of a slow
+            trainer, and a group that would train too stale is evicted by the log (and
+            replaced) a version before it is stale, never handed to TRL.
         rollout: further RolloutConfig fields (``spare_pool_size``, ``drop_policy``, ...).
         extra_reward: rolloutlog's own reward ``(prompt index, completion ids) -> float``,
             added to the TRL functions' sum.
@@ -105,6 +151,19 @@ class RolloutlogWorker:
             worker's loop, in order with the checkpoints, off the trainer's step (publishes
             queued behind a slow one are coalesced into one of the newest version); a
             failure surfaces at the next ``update_model_version``, ``check_health`` or save.
+        tools: TRL's plain tool functions (named; ``rolloutlog.controller.environments.
+            idempotent`` marks one safe to run again after a crash).
+        environment_factory: TRL's environment factory (one callable): an object per
+            trajectory, ``reset(**row)``, its public methods as tools, ``get_reward()``
+            added to the reward as TRL's ``rewards/<class name>`` column. With ``tools``
+            or an environment, each sibling is a multi-turn trajectory
+            (:class:`~rolloutlog.controller.multiturn.TrajectoryBackend` around
+            ``backend``): every model call and tool result is in the log, tool and
+            environment tokens reach TRL with ``completion_mask`` 0, and a resume reuses
+            recorded model calls and tool results instead of running them again.
+        multi_turn: turns and tokens per model call (default: ``max_tokens`` per turn).
+        tool_parser: the tool calls of a model output (default: rolloutlog's
+            ``<tool>NAME {json}</tool>``; pass one for your chat template's format).
     """
 
     def __init__(
@@ -135,11 +194,13 @@ class RolloutlogWorker:
         wait_for_publish: bool = True,
         tools: Sequence[Callable[..., Any]] | None = None,
         environment_factory: Any = None,
+        multi_turn: MultiTurnConfig | None = None,
+        tool_parser: Callable[[str], list[ToolCall]] = parse_tool_calls,
     ) -> None:
-        if tools or environment_factory is not None:
+        if isinstance(environment_factory, dict):
             raise UnsupportedTrlFeatureError(
-                "the rolloutlog worker does not support TRL's tools/environment_factory "
-                "(multi-turn rollouts) yet: use TRL's built-in worker for tool use"
+                "the rolloutlog worker takes one environment_factory, not a dict of them "
+                "(TRL's multi-environment mode): pass a single factory"
             )
         num_generations = num_generations or (args.num_generations if args else None)
         if not num_generations:
@@ -168,10 +229,10 @@ class RolloutlogWorker:
             )
         if lookahead is None:
             lookahead = max_staleness
-        if not 1 <= lookahead <= max_staleness:
+        if lookahead < 1:
             raise TrlConfigError(
-                f"lookahead={lookahead}: it must be between 1 and max_staleness={max_staleness} "
-                "(then no group handed to TRL can go stale before it trains)"
+                f"lookahead={lookahead}: it must be at least 1 (TRL fetches the next step's "
+                "first micro-batch before it trains the current one)"
             )
         fields = {
             "group_size": int(num_generations),
@@ -187,6 +248,25 @@ class RolloutlogWorker:
                 f"in_order, not {fields['sampler']!r}"
             )
         self.rules = RolloutConfig(**fields)
+        if generation is None:
+            max_tokens = int(getattr(args, "max_completion_length", 16) or 16) if args else 16
+            generation = GenerationConfig(max_tokens=max_tokens)
+        #: The multi-turn backend (``tools`` / ``environment_factory``), wrapping ``backend``.
+        self.trajectories: TrajectoryBackend | None = None
+        env_reward_name: str | None = None
+        if tools or environment_factory is not None:
+            env_reward_name = _environment_reward_name(environment_factory)
+            self.trajectories = TrajectoryBackend(
+                backend,
+                _HfTokens(processing_class),
+                environment_factory=environment_factory,
+                tools=[tool_of(_tool_name(fn), fn) for fn in tools or ()],
+                # TRL's rule: reset(**row), the dataset row's columns.
+                reset_kwargs=lambda index: self.prompts.rows[index],
+                config=multi_turn or MultiTurnConfig(max_tokens_per_turn=generation.max_tokens),
+                parse=tool_parser,
+            )
+            backend = self.trajectories
         self.prompts = TrlPrompts(
             train_dataset,
             processing_class,
@@ -194,17 +274,15 @@ class RolloutlogWorker:
             extra_reward=extra_reward,
             dataset_size=dataset_size,
             fingerprint=fingerprint,
+            env_reward=None if env_reward_name is None else self._environment_reward,
+            env_reward_name=env_reward_name or "environment",
         )
         self.backend = backend
         self.policy = policy
         self.wait_for_publish = wait_for_publish
         self.store_spec = store
         self.store_config = store_config
-        self.generation = generation or GenerationConfig(
-            max_tokens=int(getattr(args, "max_completion_length", 16) or 16)
-            if args is not None
-            else 16
-        )
+        self.generation = generation
         self.run_id = run_id
         self._run_id_given = run_id is not None
         self.passes = passes
@@ -252,6 +330,7 @@ class RolloutlogWorker:
         self._to_record: list[_Handed] = []
         self._held_since: float | None = None
         self._held: tuple[int, int] | None = None  # (step, groups held back)
+        self._doomed_checked: tuple[int, int, int] | None = None
         self._exhausted: str | None = None
         self._last_counts = (0, 0)  # (evicted, dropped) last pushed
         self._heartbeat = time.time()
@@ -259,6 +338,12 @@ class RolloutlogWorker:
         self.groups_handed = 0
         self.samples_handed = 0
         self.steps_recorded = 0
+
+    def _environment_reward(self, index: int, completion_ids: Sequence[int]) -> float | None:
+        """The environment's ``get_reward`` of the trajectory that produced ``completion_ids``."""
+        assert self.trajectories is not None
+        prompt = [int(t) for t in self.prompts.prompt_token_ids(index)]
+        return self.trajectories.trajectory_reward(prompt, completion_ids)
 
     # ------------------------------------------------------------------ protocol
     def start(self) -> None:
@@ -373,8 +458,8 @@ class RolloutlogWorker:
             raise WorkerFailedError(
                 f"train step {step} cannot be handed to TRL: {count} of its groups would "
                 f"exceed max_staleness={self.max_staleness} when they train and rolloutlog "
-                "evicts them only at the next weight publish; set lookahead below "
-                "max_staleness"
+                "has not evicted them (no replacement could be in bound yet); set lookahead "
+                "to at most max_staleness"
             )
         age = time.time() - self._heartbeat
         if self._thread is not None and age > stale_after_s:
@@ -494,6 +579,9 @@ class RolloutlogWorker:
                     loop.call_soon_threadsafe(wake.set)
 
             controller.listeners.append(on_durable)
+            if self.trajectories is not None:
+                # The trajectories a dispatch can still reach (a resume reuses their turns).
+                self.trajectories.attach(controller)
             try:
                 runtime = RolloutRuntime(controller, self.backend, self.prompts, self.generation)
                 self.runtime = runtime
@@ -587,14 +675,26 @@ class RolloutlogWorker:
         s = self._next_step
         groups = self._step_groups(controller, s)
         if groups is None:
-            return False
+            if self._held is None or self._held[0] != s:
+                return False
+            # Groups that will be stale when step s trains: the log evicts them as soon
+            # as a replacement generated now would be in bound (a version before they
+            # are stale), so the slot refills before TRL (fetching a micro-batch ahead)
+            # waits for it.
+            state = controller.state
+            key = (s, state.train_step, state.published_version)
+            if key == self._doomed_checked:
+                return False
+            self._doomed_checked = key
+            return await runtime.evict_doomed() > 0
         await controller.aflush()  # the output commit: durable before TRL sees it
         again = self._step_groups(controller, s)  # a publish may have run meanwhile
         if again is None or [g.group_id for g in again] != [g.group_id for g in groups]:
             return True
         self._held = None
         self._held_since = None
-        samples = await asyncio.to_thread(self._build_samples, runtime, controller, again)
+        masks = self._loss_masks(again)  # on the loop: the book is the loop's
+        samples = await asyncio.to_thread(self._build_samples, runtime, controller, again, masks)
         counts: dict[int, int] = {}
         for sample in samples:
             counts[sample.group_id] = counts.get(sample.group_id, 0) + 1
@@ -617,8 +717,31 @@ class RolloutlogWorker:
         self._push_metrics(controller, samples)
         return True
 
+    def _loss_masks(self, groups: list[GroupState]) -> dict[tuple[int, int], list[int]] | None:
+        """Multi-turn: each finished sibling's loss mask (1 model token, 0 tool or
+        environment token) from its trajectory; None for single-turn rollouts."""
+        if self.trajectories is None:
+            return None
+        masks = {}
+        for group in groups:
+            for i, sib in enumerate(group.siblings):
+                if sib.status is not SiblingStatus.DONE:
+                    continue
+                traj = self.trajectories.book.get((group.group_id, i))
+                if traj is None or not traj.completed:
+                    raise WorkerFailedError(
+                        f"group {group.group_id} sibling {i} has no completed trajectory in "
+                        "the log: its loss mask is unknown"
+                    )
+                masks[(group.group_id, i)] = traj.loss_mask()
+        return masks
+
     def _build_samples(
-        self, runtime: RolloutRuntime, controller: RolloutController, groups: list[GroupState]
+        self,
+        runtime: RolloutRuntime,
+        controller: RolloutController,
+        groups: list[GroupState],
+        masks: dict[tuple[int, int], list[int]] | None = None,
     ) -> list[Any]:
         sample_cls = _trl_sample_class()
         store, run_id = controller.store, controller.run_id
@@ -627,7 +750,8 @@ class RolloutlogWorker:
         for group in groups:
             prompt_ids = self.prompts.prompt_token_ids(group.prompt_index)
             messages = self.prompts.messages(group.prompt_index)
-            done = [s for s in group.siblings if s.status is SiblingStatus.DONE]
+            done_at = [i for i, s in enumerate(group.siblings) if s.status is SiblingStatus.DONE]
+            done = [group.siblings[i] for i in done_at]
             rewards = np.array(
                 [s.reward if s.reward is not None else math.nan for s in done], dtype=float
             )
@@ -642,7 +766,7 @@ class RolloutlogWorker:
             else:
                 reward_std = math.nan
             oldest = group.oldest_version() or 0
-            for sib, adv, reward in zip(done, advantages, rewards, strict=True):
+            for index, sib, adv, reward in zip(done_at, done, advantages, rewards, strict=True):
                 assert sib.payload_id is not None
                 data = cache.get(group.group_id, {}).get(sib.payload_id)
                 if data is None:
@@ -650,6 +774,12 @@ class RolloutlogWorker:
                 arrays = decode_arrays(data)
                 ids = [int(t) for t in arrays["token_ids"]]
                 logprobs = [float(x) for x in arrays["logprobs"]]
+                mask = [1] * len(ids) if masks is None else masks[(group.group_id, index)]
+                if len(mask) != len(ids):
+                    raise WorkerFailedError(
+                        f"group {group.group_id} sibling {index}: the trajectory holds "
+                        f"{len(mask)} response tokens, the completion {len(ids)}"
+                    )
                 metrics = {"reward": float(reward), "reward_std": reward_std}
                 per_func = self.prompts.per_func.pop((group.prompt_index, tuple(ids)), None)
                 if per_func is not None:
@@ -660,9 +790,8 @@ class RolloutlogWorker:
                         prompt=messages,
                         completion=self.prompts.completion_messages(ids),
                         input_ids=np.asarray(prompt_ids + ids, dtype=np.int64),
-                        completion_mask=np.asarray(
-                            [0] * len(prompt_ids) + [1] * len(ids), dtype=np.int64
-                        ),
+                        # Tool and environment tokens are context (TRL's multi-turn rows).
+                        completion_mask=np.asarray([0] * len(prompt_ids) + mask, dtype=np.int64),
                         old_log_probs=np.asarray(
                             [0.0] * len(prompt_ids) + logprobs, dtype=np.float32
                         ),
