@@ -87,9 +87,8 @@ async def until(predicate: Any, timeout: float, what: str) -> None:
 # --- fake engines --------------------------------------------------------------------
 
 
-async def _fake_fleet(
-    model_dir: Path, n: int, latency: float, recorder: Recorder, **kwargs: Any
-) -> tuple[list[FakeEngineServer], FleetBackend]:
+async def start_fakes(model_dir: Path, n: int, latency: float = 0.0) -> list[FakeEngineServer]:
+    """``n`` started fake engines serving ``model_dir`` (deterministic generation)."""
     servers = []
     for _ in range(n):
         server = FakeEngineServer(
@@ -100,7 +99,14 @@ async def _fake_fleet(
         )
         await server.start()
         servers.append(server)
-    fleet = FleetBackend(
+    return servers
+
+
+def fleet_on(
+    servers: list[FakeEngineServer], model_dir: Path, recorder: Recorder, **kwargs: Any
+) -> FleetBackend:
+    """A fleet (not started) on ``servers``, engines ``e0``, ``e1``, ... in their order."""
+    return FleetBackend(
         [
             VLLMServerBackend(s.url, model_dir=model_dir, engine_id=f"e{i}")
             for i, s in enumerate(servers)
@@ -109,6 +115,13 @@ async def _fake_fleet(
         listener=recorder,
         **kwargs,
     )
+
+
+async def _fake_fleet(
+    model_dir: Path, n: int, latency: float, recorder: Recorder, **kwargs: Any
+) -> tuple[list[FakeEngineServer], FleetBackend]:
+    servers = await start_fakes(model_dir, n, latency)
+    fleet = fleet_on(servers, model_dir, recorder, **kwargs)
     await fleet.start()
     return servers, fleet
 
