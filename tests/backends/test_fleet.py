@@ -409,10 +409,10 @@ def test_sigkill_one_vllm_engine_then_restart_and_refit(
         run(fleet.close())
 
 
-def test_build_fleet_from_config_and_broadcast(tiny_model_dir: Path, run: Runner) -> None:
+def test_build_fleet_from_config(tiny_model_dir: Path, run: Runner) -> None:
     from rolloutlog.controller.engines import FleetConfig, build_fleet
 
-    async def scenario() -> dict[str, Any]:
+    async def scenario() -> dict[str, EngineHealth]:
         servers, probe = await _fake_fleet(tiny_model_dir, 2, 0.0, Recorder())
         await probe.close()
         config = FleetConfig(urls=tuple(s.url for s in servers), health_interval_s=0.5)
@@ -422,10 +422,11 @@ def test_build_fleet_from_config_and_broadcast(tiny_model_dir: Path, run: Runner
         try:
             assert [e.engine_id for e in fleet.engines] == ["engine-0", "engine-1"]
             assert fleet.health_interval == 0.5
-            return await fleet.broadcast("GET", "/health")
+            return fleet.health()
         finally:
             await fleet.close()
             for s in servers:
                 await s.stop()
 
-    assert run(scenario(), timeout=30) == {"engine-0": 200, "engine-1": 200}
+    healthy = EngineHealth.HEALTHY
+    assert run(scenario(), timeout=30) == {"engine-0": healthy, "engine-1": healthy}
