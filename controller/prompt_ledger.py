@@ -97,11 +97,6 @@ class PromptLedger:
         """Distinct prompts ``(pass, index)`` pulled into groups."""
         return len(self.group_of_key)
 
-    @property
-    def passes_started(self) -> int:
-        """Passes over the data the run has pulled prompts from."""
-        return 1 + max((p for p, _ in self.group_of_key), default=-1)
-
     def passes_completed(self, unused: set[PromptId] | frozenset[PromptId] = frozenset()) -> int:
         """Passes (counted from the first) whose every prompt was pulled and then trained,
         dropped or evicted; prompts in ``unused`` (spares no step needed) do not hold a

@@ -103,8 +103,6 @@ COLUMNS = (
     "train_step",
     "weight_version",
 )
-#: The audit keys a lookup can filter on.
-KEYS = ("group_id", "prompt_index", "target_step", "train_step")
 
 #: Event types whose keys are only their group: indexed in ``rollout_sibling_index``.
 SIBLING_TYPES: frozenset[str] = frozenset(

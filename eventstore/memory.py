@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -123,14 +123,7 @@ class MemoryEventStore:
                     f"cannot resume run {run_id!r} from offset {resume}: "
                     f"the log holds offsets 1..{info.last_seq}"
                 )
-            run.info = RunInfo(
-                info.run_id,
-                info.created_at,
-                info.config_fingerprint,
-                info.config_json,
-                info.current_epoch + 1,
-                info.last_seq,
-            )
+            run.info = replace(info, current_epoch=info.current_epoch + 1)
             run.epochs.append((info.last_seq + 1, resume))
             return info.current_epoch + 1
 
@@ -202,14 +195,7 @@ class MemoryEventStore:
             for table, rows in derived:
                 run.derived.setdefault(table, []).extend(rows)
         last = expected_seq + len(batch) - 1 if batch else info.last_seq
-        run.info = RunInfo(
-            info.run_id,
-            info.created_at,
-            info.config_fingerprint,
-            info.config_json,
-            info.current_epoch,
-            last,
-        )
+        run.info = replace(info, last_seq=last)
         return expected_seq + len(batch) - 1
 
     def last_seq(self, run_id: str) -> int:

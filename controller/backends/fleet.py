@@ -53,7 +53,6 @@ import shutil
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -744,20 +743,3 @@ class FleetBackend:
         """Load ``path`` into one engine and verify it; '' on success, else why not."""
         await engine.backend.load_weights_dir(path, version)
         return await self._verify(engine, version, expected)
-
-    # --- control fan-out ---------------------------------------------------------------
-
-    async def broadcast(self, method: str, path: str, json: Any = None) -> dict[str, Any]:
-        """Send one control call to every joined engine; returns status (or error) by id."""
-        self._check_open()
-
-        async def one(e: FleetEngine) -> Any:
-            try:
-                resp = await e.backend.control(method, path, json)
-            except BackendError as exc:
-                return exc
-            return resp
-
-        joined = [e for e in self.engines if e.joined]
-        outcomes = await asyncio.gather(*(one(e) for e in joined))
-        return {e.engine_id: o for e, o in zip(joined, outcomes, strict=True)}

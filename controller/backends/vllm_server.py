@@ -177,11 +177,6 @@ def read_manifest(weights_dir: Path) -> tuple[int, str | None]:
         ) from exc
 
 
-def read_manifest_version(weights_dir: Path) -> int:
-    """The version a weights directory was written for (raises a clear error if none)."""
-    return read_manifest(weights_dir)[0]
-
-
 class VLLMServerBackend(BackendBase):
     """The :class:`~rolloutlog.controller.backends.base.GenerationBackend` of one vLLM HTTP server.
 
@@ -403,8 +398,6 @@ class VLLMServerBackend(BackendBase):
 
     async def generate(self, request: GroupRequest) -> list[SiblingResult]:
         """One completion per sibling; results in the order of ``request.siblings``."""
-        self._client_or_raise()
-        self._check_request(request)
         return await self.generate_at(request, None)
 
     async def generate_at(self, request: GroupRequest, version: int | None) -> list[SiblingResult]:
@@ -573,21 +566,6 @@ class VLLMServerBackend(BackendBase):
         for old in [p for p in self._written if p != keep]:
             shutil.rmtree(old, ignore_errors=True)
             self._written.remove(old)
-
-    async def control(self, method: str, path: str, json: Any = None) -> int:
-        """One control call (e.g. ``POST /pause``); returns the HTTP status.
-
-        Transport errors raise :class:`EngineTransportError`; never retried here.
-        """
-        httpx = _httpx()
-        client = self._client_or_raise()
-        try:
-            resp = await client.request(method, path, json=json, timeout=self.control_timeout)
-        except (httpx.TransportError, httpx.TimeoutException) as exc:
-            raise EngineTransportError(
-                f"{self.engine_id}: {method} {path}: {type(exc).__name__}: {exc}"
-            ) from exc
-        return int(resp.status_code)
 
     async def load_weights_dir(
         self,

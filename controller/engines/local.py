@@ -116,7 +116,8 @@ def health_ok(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def _log_tail(path: str, lines: int = 25) -> str:
+def log_tail(path: str, lines: int = 25) -> str:
+    """The last ``lines`` lines of the log at ``path`` (for an error message)."""
     try:
         return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
     except OSError:
@@ -192,7 +193,7 @@ class LocalEngineLauncher:
                 if proc is not None and proc.poll() is not None:
                     raise EngineLaunchError(
                         f"{engine.engine_id} exited with {proc.returncode} before it was "
-                        f"ready; log {engine.log_path}:\n{_log_tail(engine.log_path)}"
+                        f"ready; log {engine.log_path}:\n{log_tail(engine.log_path)}"
                     )
                 if health_ok(engine.url):
                     pending.remove(engine)
@@ -200,7 +201,7 @@ class LocalEngineLauncher:
                 raise EngineLaunchError(
                     f"{[e.engine_id for e in pending]} not ready within "
                     f"{self.config.ready_timeout_s} s; log tail of {pending[0].log_path}:\n"
-                    f"{_log_tail(pending[0].log_path)}"
+                    f"{log_tail(pending[0].log_path)}"
                 )
             if pending:
                 time.sleep(0.5)

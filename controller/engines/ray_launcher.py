@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from rolloutlog.controller.engines.config import LaunchConfig
-from rolloutlog.controller.engines.local import EngineLaunchError
+from rolloutlog.controller.engines.local import EngineLaunchError, log_tail
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +54,6 @@ def _ray() -> Any:
             "ray is not importable; install the ray extra: pip install 'rolloutlog[ray]'"
         ) from exc
     return ray
-
-
-def _log_tail(path: str, lines: int = 25) -> str:
-    try:
-        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 class _EngineActorImpl:
@@ -111,7 +104,7 @@ class _EngineActorImpl:
     def exit_info(self) -> tuple[int | None, str, str, str]:
         """(exit status or None, log path, its tail, node address) of the server."""
         code = None if self.proc is None else self.proc.poll()
-        return code, self.log_path, _log_tail(self.log_path), _node_ip()
+        return code, self.log_path, log_tail(self.log_path), _node_ip()
 
     def pid(self) -> int:
         """The server group's id (the tether process's pid)."""

@@ -254,11 +254,15 @@ def _counters_to_snapshot(src: _CounterContainers) -> dict[str, Any]:
 
 
 def _counters_from_snapshot(dst: _CounterContainers, data: Mapping[str, Any]) -> None:
-    """Set the counter containers of ``dst`` from :func:`_counters_to_snapshot`'s output
-    (keys a snapshot lacks, e.g. event types added since it was written, stay at 0; the
-    staleness histogram of older snapshots is derived from ``staleness_values`` again)."""
+    """Set the counter containers of ``dst`` from :func:`_counters_to_snapshot`'s output.
+
+    Keys a snapshot lacks (event types added since it was written) stay at 0, and so do
+    containers it lacks (the multi-turn ones). No histogram is stored: the staleness
+    histogram is derived from ``staleness_values`` (in every snapshot layout) when read,
+    so the ``staleness`` key of older snapshots is ignored.
+    """
     for name in _COUNTER_FIELDS:
-        if name not in data:  # a snapshot older than the counter (multi-turn ones)
+        if name not in data:
             continue
         values = {tuple(k) if isinstance(k, list) else k: int(v) for k, v in data[name]}
         setattr(dst, name, {**getattr(dst, name), **values})

@@ -350,12 +350,6 @@ class LiveMetrics:
         else:
             self._catch_up(raise_errors=True)
 
-    def attach_runtime(self, runtime: RolloutRuntime) -> None:
-        """Time ``runtime``'s checkpoints (its ``checkpoint_seconds``)."""
-        with self.follower.lock:
-            self.runtime = runtime
-            self._checkpoint_seen = len(runtime.checkpoint_seconds)
-
     def _sync_logging(self, errors: type[Exception]) -> None:
         """:meth:`sync_now`, logging a failure of type ``errors`` instead of raising it."""
         try:

@@ -24,7 +24,7 @@ from typing import Any
 from rolloutlog.eventstore import EventStoreProtocol
 from rolloutlog.eventstore.errors import RolloutlogError
 
-from ..domain.events import CODEC, GroupSelected, RunRestored, RunResumed, SiblingCompleted
+from ..domain.events import CODEC, GroupSelected, RunRestored, SiblingCompleted
 from ..domain.trajectory import TURN_EVENT_TYPES, TrajectoryBook, evolve_trajectory
 from .ranges import project_history
 
@@ -43,7 +43,6 @@ class EpochSpan:
     start: datetime
     end: datetime
     kept: int = 0  # events of this epoch in the current history
-    opened_by: str = "RunStarted"  # RunStarted, RunRestored or RunResumed
     restore: dict[str, Any] | None = None  # the RunRestored fields, for a restore
 
     @property
@@ -120,10 +119,7 @@ def collect(store: EventStoreProtocol, run_id: str) -> ReportData:
         if row.type == RunRestored.event_type:
             ev = CODEC.decode(row)
             assert isinstance(ev, RunRestored)
-            span.opened_by = "RunRestored"
             span.restore = ev.model_dump()
-        elif row.type == RunResumed.event_type:
-            span.opened_by = "RunResumed"
         elif row.type == GroupSelected.event_type and kept:
             ev = CODEC.decode(row)
             assert isinstance(ev, GroupSelected)

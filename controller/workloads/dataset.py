@@ -31,7 +31,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rolloutlog.eventstore.errors import RolloutlogError
 
-from .passes import PromptKey, prompt_at
 from .rewards import (
     Reward,
     RewardConfig,
@@ -442,13 +441,6 @@ class PromptDataset:
         self._check_index(index)
         field_name = self.config.answer_field
         return None if field_name is None else str(self._rows[index][field_name])
-
-    # ------------------------------------------------------------------ passes
-
-    def prompt_key(self, cursor: int, *, seed: int, passes: int | None = None) -> PromptKey:
-        """The ``(pass, index)`` at dispatch position ``cursor`` of a walk over passes, each
-        pass a permutation drawn from ``(seed, pass)`` (see :mod:`.passes`)."""
-        return prompt_at(seed, cursor, self.num_prompts, passes=passes)
 
     # ------------------------------------------------------------------ reward
 

@@ -81,9 +81,8 @@ from rolloutlog.controller.rollout_controller import (
 )
 from rolloutlog.controller.rollout_index import attach, encode_many
 from rolloutlog.eventstore import EventStore, NewEvent
-from rolloutlog.eventstore.errors import RolloutlogError
 
-from ._common import scratch_dir
+from ._common import BenchmarkError, scratch_dir, sqlite_file_bytes
 
 #: The issue's targets: (comparison, bound) per ratio.
 TARGETS: dict[str, tuple[str, float]] = {
@@ -100,10 +99,6 @@ TARGETS: dict[str, tuple[str, float]] = {
 PARTS = ("checkpoint", "restore", "memory", "loop", "turns")
 DATASET_FINGERPRINT = "bench-domain-dataset"
 _ProgressFn = Callable[[str], None]
-
-
-class BenchmarkError(RolloutlogError, RuntimeError):
-    """A benchmark's state is not what it was meant to be (a bug, never a slow result)."""
 
 
 def _check(ok: bool, what: str) -> None:
@@ -190,10 +185,6 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or not b or math.isnan(a) or math.isnan(b):
         return None
     return a / b
-
-
-def _file_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.parent.glob(path.name + "*") if p.is_file())
 
 
 def _sqlite_url(path: Path) -> str:
@@ -996,7 +987,7 @@ def generate_log(
         generate_s=generate_s,
         writer_busy_s=writer_s,
         verify_s=verify_s,
-        db_bytes=_file_bytes(path),
+        db_bytes=sqlite_file_bytes(path),
         state=state,
     )
 

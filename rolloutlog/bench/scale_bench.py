@@ -34,6 +34,7 @@ from rolloutlog.controller.sql_audit import Q_PROMPT_VIEW, Q_STEP_VIEW, SqlAudit
 from rolloutlog.eventstore import EventStore, NewEvent, migrate
 
 from . import domain_bench
+from ._common import sqlite_file_bytes
 from .domain_bench import FULL_SIZES, GeneratedLog, generate_log, machine_info, size_label
 
 TARGETS: dict[str, tuple[str, float]] = {
@@ -82,7 +83,7 @@ def obtain_log(db_dir: Path, events: int, *, reuse: bool, progress: _ProgressFn)
             checkpoint_offset=info["checkpoint_offset"], events=info["events"],
             snapshot_offsets=info.get("snapshot_offsets", []), generate_s=info["generate_s"],
             writer_busy_s=info.get("writer_busy_s", math.nan), verify_s=0.0,
-            db_bytes=domain_bench._file_bytes(db), state=state,
+            db_bytes=sqlite_file_bytes(db), state=state,
         )  # fmt: skip
     for stale in db_dir.glob(db.name + "*"):
         stale.unlink()

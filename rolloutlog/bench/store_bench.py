@@ -44,7 +44,6 @@ from rolloutlog.eventstore import (
     NewEvent,
     open_committer,
 )
-from rolloutlog.eventstore.errors import RolloutlogError
 from rolloutlog.eventstore.groupcommit import CommitWriter
 from rolloutlog.eventstore.schema import events as events_table
 from rolloutlog.eventstore.store import (
@@ -55,7 +54,7 @@ from rolloutlog.eventstore.store import (
 )
 from rolloutlog.eventstore.writer_process import ProcessCommitter
 
-from ._common import scratch_dir
+from ._common import BenchmarkError, scratch_dir, sqlite_file_bytes
 
 #: The issue's targets for the ratios (rolloutlog ÷ baseline, events per second).
 TARGETS: dict[str, float] = {
@@ -72,10 +71,6 @@ SIBLINGS_PER_GROUP = 16
 GROUPS_PER_STEP = 64
 _T0 = datetime(2026, 1, 1, tzinfo=UTC)
 _ProgressFn = Callable[[str], None]
-
-
-class BenchmarkError(RolloutlogError, RuntimeError):
-    """A system read back something other than what was written."""
 
 
 # ---------------------------------------------------------------------------- workload
@@ -265,10 +260,6 @@ def _sqlite_settings(conn: sqlite3.Connection) -> dict[str, Any]:
     sync = conn.execute("PRAGMA synchronous").fetchone()[0]
     mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
     return {"synchronous": names.get(int(sync), str(sync)), "journal_mode": str(mode).lower()}
-
-
-def _file_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.parent.glob(path.name + "*") if p.is_file())
 
 
 # ---------------------------------------------------------------------------- raw sqlite3
@@ -1077,7 +1068,7 @@ def run_scale_benchmark(
                 "append_cpu_eps": _eps(window, min(cpus)),
                 "append_eps_samples": [_eps(window, t) for t in walls],
                 **fills[label],
-                "file_bytes": _file_bytes(paths[label]),
+                "file_bytes": sqlite_file_bytes(paths[label]),
             }
             if not keep_files:
                 _remove_db(paths[label])

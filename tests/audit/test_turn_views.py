@@ -12,21 +12,10 @@ from mt_audit_helpers import BuiltMtRun
 from test_cookbook import recipes
 
 from rolloutlog.controller.domain.trajectory import fold_trajectories
+from rolloutlog.controller.replay_tool import TURN_KINDS
 from rolloutlog.controller.rollout_index import attach, read_indexed
 from rolloutlog.controller.sql_audit import SqlAudit, param_names
 from rolloutlog.eventstore import EventStore, NewEvent
-
-KIND = {
-    "TrajectoryStarted": "start",
-    "ModelCallCompleted": "model_call",
-    "ToolCallRequested": "tool_request",
-    "ToolCallCompleted": "tool_result",
-    "ToolCallFailed": "tool_failure",
-    "EnvironmentStepped": "environment_step",
-    "TrajectoryCompleted": "completed",
-    "TrajectoryResumed": "resumed",
-    "LateResultRefused": "late_refused",
-}
 
 
 def rows(b: BuiltMtRun, sql: str) -> list[dict[str, Any]]:
@@ -43,7 +32,7 @@ def test_turns_are_every_trajectory_event_in_order(mt_run: BuiltMtRun) -> None:
         if e.event_type == "TrajectoryStarted":
             starts[key] = seq
         assert (r["group_id"], r["sibling"], r["epoch"], r["attempt"]) == (*key, epoch, e.attempt)
-        assert r["kind"] == KIND[e.event_type]
+        assert r["kind"] == TURN_KINDS[e.event_type]
         assert r["trajectory_seq"] == starts[key]
         assert bool(r["in_history"]) == (seq in b.history)
         assert r["turn"] == getattr(e, "turn", None)

@@ -87,9 +87,8 @@ async def until(predicate: Any, timeout: float, what: str) -> None:
 # --- fake engines --------------------------------------------------------------------
 
 
-async def _fake_fleet(
-    model_dir: Path, n: int, latency: float, recorder: Recorder, **kwargs: Any
-) -> tuple[list[FakeEngineServer], FleetBackend]:
+async def start_fakes(model_dir: Path, n: int, latency: float = 0.0) -> list[FakeEngineServer]:
+    """``n`` started fake engines serving ``model_dir`` (deterministic generation)."""
     servers = []
     for _ in range(n):
         server = FakeEngineServer(
@@ -100,7 +99,14 @@ async def _fake_fleet(
         )
         await server.start()
         servers.append(server)
-    fleet = FleetBackend(
+    return servers
+
+
+def fleet_on(
+    servers: list[FakeEngineServer], model_dir: Path, recorder: Recorder, **kwargs: Any
+) -> FleetBackend:
+    """A fleet (not started) on ``servers``, engines ``e0``, ``e1``, ... in their order."""
+    return FleetBackend(
         [
             VLLMServerBackend(s.url, model_dir=model_dir, engine_id=f"e{i}")
             for i, s in enumerate(servers)
@@ -109,6 +115,13 @@ async def _fake_fleet(
         listener=recorder,
         **kwargs,
     )
+
+
+async def _fake_fleet(
+    model_dir: Path, n: int, latency: float, recorder: Recorder, **kwargs: Any
+) -> tuple[list[FakeEngineServer], FleetBackend]:
+    servers = await start_fakes(model_dir, n, latency)
+    fleet = fleet_on(servers, model_dir, recorder, **kwargs)
     await fleet.start()
     return servers, fleet
 
@@ -396,10 +409,10 @@ def test_sigkill_one_vllm_engine_then_restart_and_refit(
         run(fleet.close())
 
 
-def test_build_fleet_from_config_and_broadcast(tiny_model_dir: Path, run: Runner) -> None:
+def test_build_fleet_from_config(tiny_model_dir: Path, run: Runner) -> None:
     from rolloutlog.controller.engines import FleetConfig, build_fleet
 
-    async def scenario() -> dict[str, Any]:
+    async def scenario() -> dict[str, EngineHealth]:
         servers, probe = await _fake_fleet(tiny_model_dir, 2, 0.0, Recorder())
         await probe.close()
         config = FleetConfig(urls=tuple(s.url for s in servers), health_interval_s=0.5)
@@ -409,10 +422,11 @@ def test_build_fleet_from_config_and_broadcast(tiny_model_dir: Path, run: Runner
         try:
             assert [e.engine_id for e in fleet.engines] == ["engine-0", "engine-1"]
             assert fleet.health_interval == 0.5
-            return await fleet.broadcast("GET", "/health")
+            return fleet.health()
         finally:
             await fleet.close()
             for s in servers:
                 await s.stop()
 
-    assert run(scenario(), timeout=30) == {"engine-0": 200, "engine-1": 200}
+    healthy = EngineHealth.HEALTHY
+    assert run(scenario(), timeout=30) == {"engine-0": healthy, "engine-1": healthy}

@@ -17,8 +17,6 @@ import pytest
 import torch
 
 from rolloutlog.controller.backends import BackendError
-from rolloutlog.controller.backends.deterministic_backend import DeterministicBackend
-from rolloutlog.controller.backends.fake_engine import FakeEngineServer
 from rolloutlog.controller.backends.fleet import EngineHealth, FleetBackend
 from rolloutlog.controller.backends.vllm_server import (
     LOADING_TAG,
@@ -32,41 +30,13 @@ from rolloutlog.controller.backends.vllm_server import (
 from rolloutlog.controller.backends.weight_probe import WeightProbe
 
 from .conftest import MAX_MODEL_LEN, Runner
-from .test_fleet import Recorder, request, until
+from .test_fleet import Recorder, fleet_on, request, start_fakes, until
 
 
 def trained(base: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
     """Weights of "train step" ``step``: visibly other logprobs than the base."""
     gen = torch.Generator().manual_seed(step)
     return {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in base.items()}
-
-
-async def start_fakes(model_dir: Path, n: int, latency: float = 0.0) -> list[FakeEngineServer]:
-    servers = []
-    for _ in range(n):
-        server = FakeEngineServer(
-            DeterministicBackend(vocab_size=55, max_model_len=MAX_MODEL_LEN, eos_token_id=2),
-            latency=latency,
-            max_model_len=MAX_MODEL_LEN,
-            model_dir=model_dir,
-        )
-        await server.start()
-        servers.append(server)
-    return servers
-
-
-def fleet_on(
-    servers: list[FakeEngineServer], model_dir: Path, recorder: Recorder, **kwargs: Any
-) -> FleetBackend:
-    return FleetBackend(
-        [
-            VLLMServerBackend(s.url, model_dir=model_dir, engine_id=f"e{i}")
-            for i, s in enumerate(servers)
-        ],
-        model_dir=model_dir,
-        listener=recorder,
-        **kwargs,
-    )
 
 
 def test_engines_reused_from_an_earlier_run_are_refit_before_they_serve(

@@ -200,15 +200,31 @@ class RolloutMachine(RuleBasedStateMachine):
             payload_puts=_put(f"r{self.results}"),
         )
 
-    def _generate(self, data: st.DataObject, outcomes: st.SearchStrategy[str]) -> None:
-        """Dispatch every pending sibling with the published weights, then give each
-        in-flight sibling an outcome drawn from ``outcomes``."""
+    def _dispatch_pending(self) -> None:
+        """Dispatch every pending sibling with the published weights."""
         for gid in self._dispatchable():
             g = self.c.state.groups[gid]
             pending = tuple(
                 i for i, s in enumerate(g.siblings) if s.status is SiblingStatus.PENDING
             )
             self.c.execute(DispatchSiblings(gid, pending, self.c.state.published_version))
+
+    def _complete_as_dispatched(self, gid: int, i: int) -> None:
+        """Complete in-flight sibling ``i`` of ``gid`` with the weights it was sent with."""
+        sib = self.c.state.groups[gid].siblings[i]
+        self.results += 1
+        rid = f"r{self.results}"
+        self.c.execute(
+            CompleteSibling(
+                Completion(gid, i, sib.attempt, sib.weight_version or 0, 3, 2, 1.0, rid, "stop")
+            ),
+            payload_puts=_put(rid),
+        )
+
+    def _generate(self, data: st.DataObject, outcomes: st.SearchStrategy[str]) -> None:
+        """Dispatch every pending sibling with the published weights, then give each
+        in-flight sibling an outcome drawn from ``outcomes``."""
+        self._dispatch_pending()
         order = data.draw(st.permutations(self._in_flight()), label="completion order")
         for gid, i in order:
             if self._failed():
@@ -219,23 +235,7 @@ class RolloutMachine(RuleBasedStateMachine):
             sib = g.siblings[i]
             outcome = data.draw(outcomes, label=f"outcome of {gid}/{i}")
             if outcome == "complete":
-                self.results += 1
-                self.c.execute(
-                    CompleteSibling(
-                        Completion(
-                            gid,
-                            i,
-                            sib.attempt,
-                            sib.weight_version or 0,
-                            3,
-                            2,
-                            1.0,
-                            f"r{self.results}",
-                            "stop",
-                        )
-                    ),
-                    payload_puts=_put(f"r{self.results}"),
-                )
+                self._complete_as_dispatched(gid, i)
             elif outcome in ("retry", "drop"):
                 self.c.execute(FailSibling(gid, i, sib.attempt, outcome == "retry", "flaky"))
             elif outcome == "abort":
@@ -288,12 +288,7 @@ class RolloutMachine(RuleBasedStateMachine):
         self.admit(3)
         if self._failed():
             return
-        for gid in self._dispatchable():
-            g = self.c.state.groups[gid]
-            pending = tuple(
-                i for i, s in enumerate(g.siblings) if s.status is SiblingStatus.PENDING
-            )
-            self.c.execute(DispatchSiblings(gid, pending, self.c.state.published_version))
+        self._dispatch_pending()
         s = self.c.state
         generating = [(s.groups[gid].target_step, gid, i) for gid, i in self._in_flight()]
         if not generating:
@@ -301,24 +296,7 @@ class RolloutMachine(RuleBasedStateMachine):
         earliest, victim, sibling = min(generating)  # type: ignore[type-var]
         for step, gid, i in generating:
             if step != earliest:
-                self.results += 1
-                sib = s.groups[gid].siblings[i]
-                self.c.execute(
-                    CompleteSibling(
-                        Completion(
-                            gid,
-                            i,
-                            sib.attempt,
-                            sib.weight_version or 0,
-                            3,
-                            2,
-                            1.0,
-                            f"r{self.results}",
-                            "stop",
-                        )
-                    ),
-                    payload_puts=_put(f"r{self.results}"),
-                )
+                self._complete_as_dispatched(gid, i)
         attempt = s.groups[victim].siblings[sibling].attempt
         self.c.execute(FailSibling(victim, sibling, attempt, False, "early prompt failed"))
 

@@ -1,9 +1,9 @@
 """Engine launch and fleet configuration (no vLLM: a stand-in server process).
 
-The local launcher is exercised with a stand-in "python" that ignores the vLLM module
-and serves ``/health`` on the requested port, after starting a child of its own: so
-start (own process group, health deadline), SIGKILL of the group, restart and stop
-(SIGTERM to the group, SIGKILL after the deadline) are real.
+The local launcher is exercised with the stand-in "python" of ``conftest.py`` (serves
+``/health`` after starting a child of its own): so start (own process group, health
+deadline), SIGKILL of the group, restart and stop (SIGTERM to the group, SIGKILL after
+the deadline) are real.
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import stat
-import sys
 import time
 from pathlib import Path
 
@@ -28,46 +26,6 @@ from rolloutlog.controller.engines.local import (
     server_command,
     server_env,
 )
-
-STAND_IN = r"""
-import http.server, subprocess, sys, time
-args = sys.argv[1:]
-port = int(args[args.index("--port") + 1])
-if "--fail" in args:
-    print("stand-in: failing on purpose", flush=True)
-    sys.exit(3)
-if "--ignore-term" in args:
-    import signal
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-# A child in the same process group, like vLLM's engine core.
-subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-time.sleep(0.3)
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200 if self.path == "/health" else 404)
-        self.end_headers()
-    def log_message(self, *a):
-        pass
-http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
-"""
-
-
-@pytest.fixture
-def stand_in_python(tmp_path: Path) -> str:
-    script = tmp_path / "stand_in.py"
-    script.write_text(STAND_IN)
-    exe = tmp_path / "python"
-    exe.write_text(f'#!/bin/sh\nshift 2\nexec {sys.executable} {script} "$@"\n')
-    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
-    return str(exe)
-
-
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    d = tmp_path / "model"
-    d.mkdir()
-    (d / "config.json").write_text("{}")
-    return d
 
 
 def _free_port(count: int = 2) -> int:

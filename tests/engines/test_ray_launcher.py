@@ -1,10 +1,9 @@
 """The Ray launcher.
 
 Two vLLM server engines inside Ray actors on a local Ray instance (``vllm``); and, without
-vLLM, a stand-in server (serves ``/health`` on ``--host``/``--port``, with a child in its
-group like vLLM's engine core) in actors on a real Ray head started by the tests in its own
-process group: SIGKILL of an actor, a wrong address, an engine that exits early, a failed
-actor start, and ``rolloutlog engines start|stop --placement ray``.
+vLLM, the stand-in server of ``conftest.py`` in actors on a real Ray head started by the
+tests in its own process group: SIGKILL of an actor, a wrong address, an engine that exits
+early, a failed actor start, and ``rolloutlog engines start|stop --placement ray``.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ import os
 import shutil
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import tempfile
@@ -98,28 +96,6 @@ def test_two_engine_actors_serve_and_one_can_be_killed(tmp_path: Path) -> None:
 
 # --- A real Ray head (own process group) and a stand-in server: no vLLM -----------------
 
-RAY_STAND_IN = r"""
-import http.server, os, subprocess, sys, time
-args = sys.argv[1:]
-host = args[args.index("--host") + 1]
-port = int(args[args.index("--port") + 1])
-if "--pid-file" in args:
-    with open(args[args.index("--pid-file") + 1], "a") as f:
-        f.write(f"{os.getpid()}\n")
-if "--fail" in args:
-    print("stand-in: failing on purpose", flush=True)
-    sys.exit(3)
-# A child in the same process group, like vLLM's engine core.
-subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200 if self.path == "/health" else 404)
-        self.end_headers()
-    def log_message(self, *a):
-        pass
-http.server.HTTPServer((host, port), H).serve_forever()
-"""
-
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -177,24 +153,6 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         pytest.skip("ray is not installed (extra [ray])")
     with _ray_head(tmp_path_factory.mktemp("ray")) as (address, _):
         yield address
-
-
-@pytest.fixture
-def ray_stand_in(tmp_path: Path) -> str:
-    script = tmp_path / "ray_stand_in.py"
-    script.write_text(RAY_STAND_IN)
-    exe = tmp_path / "python"
-    exe.write_text(f'#!/bin/sh\nshift 2\nexec {sys.executable} {script} "$@"\n')
-    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
-    return str(exe)
-
-
-@pytest.fixture
-def fake_model(tmp_path: Path) -> Path:
-    d = tmp_path / "model"
-    d.mkdir()
-    (d / "config.json").write_text("{}")
-    return d
 
 
 def _ray_config(address: str, model: Path, logs: Path, **kw: object) -> LaunchConfig:
@@ -283,12 +241,12 @@ def ray_launcher_cls(ray_head: str) -> Iterator[type]:
 
 @pytest.mark.slow
 def test_sigkilled_actor_takes_its_server_with_it(
-    ray_launcher_cls: type, ray_head: str, ray_stand_in: str, fake_model: Path, tmp_path: Path
+    ray_launcher_cls: type, ray_head: str, stand_in_python: str, model_dir: Path, tmp_path: Path
 ) -> None:
     import ray
 
     launcher = ray_launcher_cls(
-        _ray_config(ray_head, fake_model, tmp_path / "logs"), python=ray_stand_in
+        _ray_config(ray_head, model_dir, tmp_path / "logs"), python=stand_in_python
     )
     pgid = -1
     try:
@@ -307,12 +265,12 @@ def test_sigkilled_actor_takes_its_server_with_it(
 
 @pytest.mark.slow
 def test_stop_reports_a_server_it_cannot_reach(
-    ray_launcher_cls: type, ray_head: str, ray_stand_in: str, fake_model: Path, tmp_path: Path
+    ray_launcher_cls: type, ray_head: str, stand_in_python: str, model_dir: Path, tmp_path: Path
 ) -> None:
     import ray
 
     launcher = ray_launcher_cls(
-        _ray_config(ray_head, fake_model, tmp_path / "logs"), python=ray_stand_in
+        _ray_config(ray_head, model_dir, tmp_path / "logs"), python=stand_in_python
     )
     pgid = -1
     try:
@@ -359,11 +317,11 @@ def _start_in_subprocess(address: str, model: Path, deadline_s: float) -> str:
 
 
 @pytest.mark.slow
-def test_wrong_ray_address_is_one_line_within_a_deadline(tmp_path: Path, fake_model: Path) -> None:
+def test_wrong_ray_address_is_one_line_within_a_deadline(tmp_path: Path, model_dir: Path) -> None:
     if importlib.util.find_spec("ray") is None:
         pytest.skip("ray is not installed (extra [ray])")
     address = f"127.0.0.1:{_free_port()}"  # nothing listens there
-    out = _start_in_subprocess(address, fake_model, 60)
+    out = _start_in_subprocess(address, model_dir, 60)
     lines = [ln for ln in out.splitlines() if ln.startswith("ERROR:")]
     assert lines == [
         f"ERROR: cannot reach the Ray cluster at {address} within 10 s (Connection refused); "
@@ -372,7 +330,7 @@ def test_wrong_ray_address_is_one_line_within_a_deadline(tmp_path: Path, fake_mo
 
 
 @pytest.mark.slow
-def test_an_address_that_is_not_ray_is_one_line_within_a_deadline(fake_model: Path) -> None:
+def test_an_address_that_is_not_ray_is_one_line_within_a_deadline(model_dir: Path) -> None:
     if importlib.util.find_spec("ray") is None:
         pytest.skip("ray is not installed (extra [ray])")
     import http.server
@@ -385,7 +343,7 @@ def test_an_address_that_is_not_ray_is_one_line_within_a_deadline(fake_model: Pa
     thread.start()
     try:
         address = f"127.0.0.1:{server.server_address[1]}"
-        out = _start_in_subprocess(address, fake_model, 60)
+        out = _start_in_subprocess(address, model_dir, 60)
     finally:
         server.shutdown()
         server.server_close()
@@ -399,11 +357,11 @@ def test_an_address_that_is_not_ray_is_one_line_within_a_deadline(fake_model: Pa
 
 @pytest.mark.slow
 def test_engine_that_exits_before_ready_names_cause_and_log(
-    ray_launcher_cls: type, ray_head: str, ray_stand_in: str, fake_model: Path, tmp_path: Path
+    ray_launcher_cls: type, ray_head: str, stand_in_python: str, model_dir: Path, tmp_path: Path
 ) -> None:
     logs = tmp_path / "logs"
-    config = _ray_config(ray_head, fake_model, logs, extra_args=("--fail",))
-    launcher = ray_launcher_cls(config, python=ray_stand_in)
+    config = _ray_config(ray_head, model_dir, logs, extra_args=("--fail",))
+    launcher = ray_launcher_cls(config, python=stand_in_python)
     with pytest.raises(EngineLaunchError) as info:
         launcher.start()
     message = str(info.value)
@@ -415,20 +373,21 @@ def test_engine_that_exits_before_ready_names_cause_and_log(
 
 @pytest.mark.slow
 def test_a_failed_actor_start_stops_the_servers_already_started(
-    ray_launcher_cls: type, ray_head: str, ray_stand_in: str, fake_model: Path, tmp_path: Path
+    ray_launcher_cls: type, ray_head: str, stand_in_python: str, model_dir: Path, tmp_path: Path
 ) -> None:
     logs = tmp_path / "logs"
     logs.mkdir()
     (logs / "engine-1.log").mkdir()  # engine 1's actor cannot open its log
-    config = _ray_config(ray_head, fake_model, logs, count=2)
-    launcher = ray_launcher_cls(config, python=ray_stand_in)
+    config = _ray_config(ray_head, model_dir, logs, count=2)
+    launcher = ray_launcher_cls(config, python=stand_in_python)
     try:
         with pytest.raises(EngineLaunchError, match=r"engine-1: its Ray actor could not start"):
             launcher.start()
         assert (logs / "engine-0.log").is_file()  # engine 0's server had been started
         deadline = time.monotonic() + 10
-        while _processes_running(str(Path(ray_stand_in).parent)):
-            assert time.monotonic() < deadline, _processes_running(str(Path(ray_stand_in).parent))
+        stand_in_dir = str(Path(stand_in_python).parent)
+        while _processes_running(stand_in_dir):
+            assert time.monotonic() < deadline, _processes_running(stand_in_dir)
             time.sleep(0.2)
     finally:
         launcher.stop()
@@ -451,12 +410,12 @@ def _cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.slow
 def test_cli_starts_engines_on_a_ray_cluster_and_stops_them(
-    ray_head: str, ray_stand_in: str, fake_model: Path, tmp_path: Path
+    ray_head: str, stand_in_python: str, model_dir: Path, tmp_path: Path
 ) -> None:
     state = tmp_path / "engines.json"
     started = _cli(
         "engines", "start", "--placement", "ray", "--ray-address", ray_head, "--count", "2",
-        "--model", str(fake_model), "--python", ray_stand_in, "--log-dir", str(tmp_path),
+        "--model", str(model_dir), "--python", stand_in_python, "--log-dir", str(tmp_path),
         "--state-file", str(state), "--json",
     )  # fmt: skip
     try:
@@ -474,17 +433,17 @@ def test_cli_starts_engines_on_a_ray_cluster_and_stops_them(
     finally:
         if state.exists():
             _cli("engines", "stop", "--state-file", str(state))
-    assert _processes_running(str(Path(ray_stand_in).parent)) == []
+    assert _processes_running(str(Path(stand_in_python).parent)) == []
 
 
-def test_cli_ray_placement_needs_an_address(fake_model: Path, tmp_path: Path) -> None:
+def test_cli_ray_placement_needs_an_address(model_dir: Path, tmp_path: Path) -> None:
     from click.testing import CliRunner
 
     from rolloutlog.cli import main
 
     result = CliRunner().invoke(
         main,
-        ["engines", "start", "--placement", "ray", "--model", str(fake_model),
+        ["engines", "start", "--placement", "ray", "--model", str(model_dir),
          "--state-file", str(tmp_path / "s.json")],
     )  # fmt: skip
     assert result.exit_code == 1
@@ -496,7 +455,7 @@ def test_cli_ray_placement_needs_an_address(fake_model: Path, tmp_path: Path) ->
 
 @pytest.mark.slow
 def test_engines_go_down_with_their_ray_cluster(
-    ray_stand_in: str, fake_model: Path, tmp_path: Path
+    stand_in_python: str, model_dir: Path, tmp_path: Path
 ) -> None:
     if importlib.util.find_spec("ray") is None:
         pytest.skip("ray is not installed (extra [ray])")
@@ -506,7 +465,7 @@ def test_engines_go_down_with_their_ray_cluster(
         with _ray_head(tmp_path / "ray") as (address, head):
             started = _cli(
                 "engines", "start", "--placement", "ray", "--ray-address", address,
-                "--model", str(fake_model), "--python", ray_stand_in, "--count", "1",
+                "--model", str(model_dir), "--python", stand_in_python, "--count", "1",
                 "--log-dir", str(tmp_path), "--state-file", str(state), "--json",
             )  # fmt: skip
             assert started.returncode == 0, started.stderr[-3000:]
@@ -515,9 +474,9 @@ def test_engines_go_down_with_their_ray_cluster(
             # The cluster goes (what `ray stop --force` or a lost head does to its workers).
             os.killpg(head.pid, signal.SIGKILL)
             deadline = time.monotonic() + 20
-            while _processes_running(str(Path(ray_stand_in).parent)):
+            while _processes_running(str(Path(stand_in_python).parent)):
                 assert time.monotonic() < deadline, "a server outlived its Ray cluster"
                 time.sleep(0.2)
             assert not health_ok(url)
     finally:
-        _kill_groups_of(str(Path(ray_stand_in).parent))  # anything left when the test failed
+        _kill_groups_of(str(Path(stand_in_python).parent))  # anything left when the test failed

@@ -306,6 +306,34 @@ def test_every_event_type_is_exported_at_zero_before_its_first_event() -> None:
     assert back.events_by_type["RunRestored"] == 0 and back.events_by_type["RunStarted"] == 1
 
 
+def test_a_snapshot_in_the_older_layout_reads_back_to_the_same_values() -> None:
+    """Snapshots (metrics bases) hold no ``staleness`` histogram: it is derived from
+    ``staleness_values`` when read, which every snapshot layout holds. One in the older
+    layout (its histogram with the buckets of the time, no multi-turn counters) reads back
+    to the values of the current one (issue 32)."""
+    feed = Feeder()
+    start(feed)
+    feed(StepAdmitted(target_step=0, group_count=2))
+    for gid in (0, 1):
+        feed(GroupAdmitted(group_id=gid, prompt_index=gid, target_step=0))
+        feed(*complete(gid, 0, 4), *complete(gid, 1, 4))
+        feed(GroupCommitted(group_id=gid, prompt_index=gid, target_step=0, oldest_weight_version=0))
+        feed(GroupSelected(group_id=gid, prompt_index=gid, target_step=0, train_step=0,
+                           staleness=3 * gid))  # fmt: skip
+    p = feed.proj
+    assert p.state is not None
+    data = p.to_snapshot()
+    assert "staleness" not in data and data["staleness_values"] == [[0, 1], [3, 1]]
+    multi_turn = ("trajectory_turns", "tool_seconds", "tool_failures")
+    old = {k: v for k, v in data.items() if k not in multi_turn}
+    old["staleness"] = {"buckets": [0, 1, 2, 4, 8], "counts": [1, 0, 0, 1, 0], "total": 3,
+                        "count": 2, "min": 0, "max": 3}  # fmt: skip
+    back = MetricsProjection.from_snapshot(old, p.state)
+    assert back.values() == p.values()
+    hist = back.values()["histograms"]["rollout_selected_group_staleness"]
+    assert hist["values"] == {"0": 1, "3": 1} and hist["count"] == 2 and hist["sum"] == 3
+
+
 def test_offsets_must_increase_and_history_segments_are_tracked() -> None:
     feed = Feeder()
     start(feed)

@@ -5,7 +5,9 @@ built locally; and a small JSONL dataset."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -69,6 +71,42 @@ def write_jsonl(path: Path, rows: list[dict[str, object]]) -> Path:
     """Write ``rows`` as JSONL."""
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def two_pass_raw_config(
+    tmp_path: Path,
+    tiny_dir: Path,
+    rows: list[dict[str, object]],
+    *,
+    steps: int,
+    checkpoint_every: int,
+    spare_pool_size: int,
+) -> dict[str, Any]:
+    """A raw ``RunConfig`` shaped like ``configs/real-workload.yaml`` at a small scale: two
+    passes over ``rows`` (sums, numeric reward), groups of 2, 4 groups a step, on the
+    deterministic backend and a SQLite file in ``tmp_path``."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_dir, model_dir)
+    data = write_jsonl(tmp_path / "sums.jsonl", rows)
+    return {
+        "steps": steps,
+        "checkpoint_every": checkpoint_every,
+        "checkpoint_dir": str(tmp_path / "checkpoints"),
+        "backend": "deterministic",
+        "seed": 7,
+        "passes": 2,
+        "model": {"dir": str(model_dir), "build": "none"},
+        "store": {"url": f"sqlite:///{tmp_path / 'log.db'}"},
+        "rollout": {
+            "group_size": 2,
+            "groups_per_step": 4,
+            "lookahead": 1,
+            "staleness_bound": 1,
+            "spare_pool_size": spare_pool_size,
+        },
+        "dataset": {"path": str(data), "template": "q: {question}\na:", "max_prompt_tokens": 40},
+        "reward": {"name": "numeric"},
+    }
 
 
 @pytest.fixture

@@ -10,9 +10,7 @@ short by the pool's size, and the summary still said both passes were complete.
 from __future__ import annotations
 
 import asyncio
-import shutil
 from pathlib import Path
-from typing import Any
 
 from rolloutlog.controller.domain.events import BatchSelected
 from rolloutlog.controller.rollout_controller import iter_history
@@ -21,38 +19,19 @@ from rolloutlog.grpo.loop import run_training
 from rolloutlog.grpo.run_config import RunConfig
 from rolloutlog.grpo.workload import run_summary
 
-from .conftest import write_jsonl
+from .conftest import two_pass_raw_config
 
 RUN = "spares"
 SIZE = 12  # prompts a pass; 2 passes = 6 steps of 4 groups
 
 
 def _cfg(tmp_path: Path, tiny_dir: Path, steps: int) -> RunConfig:
-    model_dir = tmp_path / "model"
-    shutil.copytree(tiny_dir, model_dir)
-    data = write_jsonl(
-        tmp_path / "sums.jsonl",
-        [{"question": f"what is {i} + 1?", "answer": str(i + 1)} for i in range(SIZE)],
+    rows: list[dict[str, object]] = [
+        {"question": f"what is {i} + 1?", "answer": str(i + 1)} for i in range(SIZE)
+    ]
+    raw = two_pass_raw_config(
+        tmp_path, tiny_dir, rows, steps=steps, checkpoint_every=10, spare_pool_size=2
     )
-    raw: dict[str, Any] = {
-        "steps": steps,
-        "checkpoint_every": 10,
-        "checkpoint_dir": str(tmp_path / "checkpoints"),
-        "backend": "deterministic",
-        "seed": 7,
-        "passes": 2,
-        "model": {"dir": str(model_dir), "build": "none"},
-        "store": {"url": f"sqlite:///{tmp_path / 'log.db'}"},
-        "rollout": {
-            "group_size": 2,
-            "groups_per_step": 4,
-            "lookahead": 1,
-            "staleness_bound": 1,
-            "spare_pool_size": 2,
-        },
-        "dataset": {"path": str(data), "template": "q: {question}\na:", "max_prompt_tokens": 40},
-        "reward": {"name": "numeric"},
-    }
     return RunConfig.model_validate(raw)
 
 

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,6 +28,8 @@ from rolloutlog.eventstore import EventStore
 from rolloutlog.grpo.loop import run_training
 from rolloutlog.grpo.run_config import RunConfig
 from rolloutlog.grpo.workload import run_summary
+
+from .conftest import two_pass_raw_config
 
 RUN = "two-passes"
 SIZE = 24
@@ -53,34 +54,12 @@ print("FINISHED", flush=True)
 
 
 def _raw(tmp_path: Path, tiny_dir: Path) -> dict[str, Any]:
-    model_dir = tmp_path / "model"
-    shutil.copytree(tiny_dir, model_dir)
-    data = tmp_path / "sums.jsonl"
-    data.write_text(
-        "".join(
-            json.dumps({"question": f"what is {i} + {i % 5}?", "answer": str(i + i % 5)}) + "\n"
-            for i in range(SIZE)
-        )
+    rows: list[dict[str, object]] = [
+        {"question": f"what is {i} + {i % 5}?", "answer": str(i + i % 5)} for i in range(SIZE)
+    ]
+    return two_pass_raw_config(
+        tmp_path, tiny_dir, rows, steps=2 * SIZE // 4, checkpoint_every=1, spare_pool_size=0
     )
-    return {
-        "steps": 2 * SIZE // 4,
-        "checkpoint_every": 1,
-        "checkpoint_dir": str(tmp_path / "checkpoints"),
-        "backend": "deterministic",
-        "seed": 7,
-        "passes": 2,
-        "model": {"dir": str(model_dir), "build": "none"},
-        "store": {"url": f"sqlite:///{tmp_path / 'log.db'}"},
-        "rollout": {
-            "group_size": 2,
-            "groups_per_step": 4,
-            "lookahead": 1,
-            "staleness_bound": 1,
-            "spare_pool_size": 0,
-        },
-        "dataset": {"path": str(data), "template": "q: {question}\na:", "max_prompt_tokens": 40},
-        "reward": {"name": "numeric"},
-    }
 
 
 def _kill_group(proc: subprocess.Popen[str]) -> None:
