@@ -445,7 +445,7 @@ class TrajectoryBackend:
         turn_request = GroupRequest(request.group_id, tuple(context), (spec,), sampling)
         (res,) = await self.inner.generate(turn_request)
         pid = self._payload_id(spec, request.group_id, f"t{traj.turns}")
-        output = {
+        output: dict[str, list[Any]] = {
             "token_ids": list(map(int, res.token_ids)),
             "logprobs": list(map(float, res.logprobs)),
         }

@@ -285,12 +285,12 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _plain_logprobs(lps: Sequence[object]) -> bool:
+def _plain_logprobs(lps: Sequence[float]) -> bool:
     """Whether every item is a plain finite float <= 1e-6 (False: check one by one)."""
     if set(map(type, lps)) != {float}:
         return False
     try:
-        return max(lps) <= 1e-6 and math.isfinite(math.fsum(lps))  # type: ignore[type-var,arg-type]
+        return max(lps) <= 1e-6 and math.isfinite(math.fsum(lps))
     except (OverflowError, ValueError):  # an intermediate overflow; inf and -inf
         return False
 
