@@ -191,6 +191,15 @@ EnvironmentFactory = Callable[[], object]
 ResetKwargs = Callable[[int], dict[str, Any]]
 
 
+#: A payload to record with its event, and its token arrays as Python lists (what the
+#: backend keeps: encoded once, never decoded back).
+_Payload = tuple[PayloadPut, dict[str, list[Any]]]
+
+
+def _payload(payload_id: str, kind: str, arrays: dict[str, list[Any]]) -> _Payload:
+    return PayloadPut(payload_id, kind, encode_arrays(arrays)), arrays
+
+
 class _Late(Exception):
     """The attempt lost the sibling while it ran; the result was refused and recorded."""
 
@@ -344,22 +353,21 @@ class TrajectoryBackend:
                 self._arrays.pop(pid, None)
 
     # ------------------------------------------------------------ one trajectory
-    def _record(self, event: TurnEvent, *puts: PayloadPut) -> TrajectoryState:
-        """Decide and append ``event`` (a late one is recorded as refused: :class:`_Late`;
-        a staleness decision of a superseded attempt is no result: it is only dropped)."""
+    def _record(self, event: TurnEvent, *payloads: _Payload) -> TrajectoryState:
+        """Decide and append ``event`` with its payloads (a late one is recorded as
+        refused: :class:`_Late`; a staleness decision of a superseded attempt is no result:
+        it is only dropped); keep their token arrays."""
         ctl = self.controller
         key = (event.group_id, event.sibling)
         traj = self.book.get(key)
         try:
-            ctl.execute(RecordTurn(event, traj), payload_puts=puts)
+            ctl.execute(RecordTurn(event, traj), payload_puts=tuple(p for p, _ in payloads))
         except StaleAttemptError as exc:
             if not isinstance(event, TrajectoryTooStale):
                 self._refuse(event, str(exc))
             raise _Late(str(exc)) from exc
-        for put in puts:
-            self._arrays[put.payload_id] = {
-                k: v.tolist() for k, v in decode_arrays(put.data).items()
-            }
+        for put, arrays in payloads:
+            self._arrays[put.payload_id] = arrays
             self._held.setdefault(key, []).append(put.payload_id)
         out = evolve_trajectory(self.book, event, ctl.epoch)
         assert out is not None
@@ -415,7 +423,7 @@ class TrajectoryBackend:
         for seg in traj.segments:
             if seg.payload_id is not None and seg.tokens:
                 key = (traj.group_id, traj.sibling)
-                ids.extend(int(t) for t in self._tokens(seg.payload_id, key)["token_ids"])
+                ids.extend(self._tokens(seg.payload_id, key)["token_ids"])
         return ids
 
     def _prompt_index(self, group_id: int) -> int:
@@ -456,14 +464,9 @@ class TrajectoryBackend:
             traj = None
         if traj is None:
             observation = self._reset(session, gid)
-            obs_ids = self.tokenizer.encode(observation) if observation else []
-            obs_ids = obs_ids[: max(0, budget - 1)]
+            obs_ids = self._encode(observation)[: max(0, budget - 1)] if observation else []
             pid = self._payload_id(spec, gid, "start") if obs_ids else None
-            puts = (
-                (PayloadPut(pid, "observation", encode_arrays({"token_ids": obs_ids})),)
-                if pid
-                else ()
-            )
+            puts = (_payload(pid, "observation", {"token_ids": obs_ids}),) if pid else ()
             traj = self._record(
                 TrajectoryStarted(
                     group_id=gid,
@@ -614,7 +617,10 @@ class TrajectoryBackend:
                     exc,
                 )
         pid = self._payload_id(spec, request.group_id, f"t{traj.turns}")
-        data = encode_arrays({"token_ids": list(res.token_ids), "logprobs": list(res.logprobs)})
+        output: dict[str, list[Any]] = {
+            "token_ids": list(map(int, res.token_ids)),
+            "logprobs": list(map(float, res.logprobs)),
+        }
         self._record(
             ModelCallCompleted(
                 group_id=request.group_id,
@@ -629,7 +635,7 @@ class TrajectoryBackend:
                 engine_id=res.engine_id,
                 failed_tries=tuple(failed),
             ),
-            PayloadPut(pid, "model_call", data),
+            _payload(pid, "model_call", output),
         )
         self.stats.model_calls += 1
 
@@ -684,11 +690,9 @@ class TrajectoryBackend:
         if not traj.stepped:
             left = budget - (traj.context_tokens - len(prompt))
             observation, reward, done = session.step(text)
-            ids = self.tokenizer.encode(observation)[: max(0, left)] if observation else []
+            ids = self._encode(observation)[: max(0, left)] if observation else []
             pid = self._payload_id(spec, gid, f"t{turn}-env") if ids else None
-            puts = (
-                (PayloadPut(pid, "observation", encode_arrays({"token_ids": ids})),) if pid else ()
-            )
+            puts = (_payload(pid, "observation", {"token_ids": ids}),) if pid else ()
             traj = self._record(
                 EnvironmentStepped(
                     group_id=gid,
@@ -845,12 +849,16 @@ class TrajectoryBackend:
             raise _ToolDeadline
         return running.result()
 
+    def _encode(self, text: str) -> list[int]:
+        """``text``'s token ids as plain ints (what the payload holds once read back)."""
+        return [int(t) for t in self.tokenizer.encode(text)]
+
     def _observation(
         self, spec: SiblingSpec, gid: int, turn: int, key: str, text: str, left: int
-    ) -> tuple[list[int], PayloadPut]:
-        ids = (self.tokenizer.encode(text) or self.tokenizer.encode(" "))[: max(1, left)]
+    ) -> tuple[list[int], _Payload]:
+        ids = (self._encode(text) or self._encode(" "))[: max(1, left)]
         pid = self._payload_id(spec, gid, f"t{turn}-c{key.rsplit('/c', 1)[-1]}")
-        return ids, PayloadPut(pid, "observation", encode_arrays({"token_ids": ids}))
+        return ids, _payload(pid, "observation", {"token_ids": ids})
 
     def _tool_result(
         self,
@@ -874,7 +882,7 @@ class TrajectoryBackend:
                 result=result,
                 seconds=time.perf_counter() - started,
                 observation_tokens=len(ids),
-                payload_id=put.payload_id,
+                payload_id=put[0].payload_id,
                 source=source,
             ),
             put,
@@ -903,7 +911,7 @@ class TrajectoryBackend:
                 outcome=outcome,
                 seconds=time.perf_counter() - started,
                 observation_tokens=len(ids),
-                payload_id=put.payload_id,
+                payload_id=put[0].payload_id,
             ),
             put,
         )
@@ -937,10 +945,10 @@ class TrajectoryBackend:
                 newest_weight_version=max(versions),
                 finish=finish,
             ),
-            PayloadPut(pid, "trajectory", encode_arrays(arrays)),
+            _payload(pid, "trajectory", arrays),
         )
         self.stats.trajectories_completed += 1
-        return self._result_of(request, spec, traj, dispatched, None if reward is None else reward)
+        return self._result_of(request, spec, traj, dispatched, reward, arrays)
 
     def _flatten(self, traj: TrajectoryState) -> dict[str, list[Any]]:
         ids: list[int] = []
@@ -949,9 +957,9 @@ class TrajectoryBackend:
             if not seg.tokens or seg.payload_id is None:
                 continue
             arrays = self._tokens(seg.payload_id, (traj.group_id, traj.sibling))
-            ids.extend(int(t) for t in arrays["token_ids"])
+            ids.extend(arrays["token_ids"])
             if seg.kind == "model":
-                logprobs.extend(float(x) for x in arrays["logprobs"])
+                logprobs.extend(arrays["logprobs"])
             else:
                 logprobs.extend([0.0] * seg.tokens)
         return {
@@ -968,8 +976,11 @@ class TrajectoryBackend:
         traj: TrajectoryState,
         dispatched: int,
         reward: float | None,
+        arrays: dict[str, list[Any]] | None = None,
     ) -> SiblingResult:
-        arrays = self._flatten(traj)
+        """The sibling's result (``arrays``: the trajectory flattened, if at hand)."""
+        if arrays is None:
+            arrays = self._flatten(traj)
         versions = [s.weight_version for s in traj.segments if s.weight_version is not None]
         ids = tuple(arrays["token_ids"])
         final = traj.final_reward if reward is None else reward
@@ -988,7 +999,7 @@ class TrajectoryBackend:
                 max(dispatched, self.controller.state.weight_version),
             ),
             token_ids=ids,
-            logprobs=tuple(float(x) for x in arrays["logprobs"]),
+            logprobs=tuple(arrays["logprobs"]),
             finish_reason="length" if len(ids) >= request.sampling.max_tokens else "stop",
         )
 

@@ -652,8 +652,9 @@ class RolloutRuntime:
                         prompt_index=group.prompt_index,
                         sibling=index,
                         prompt_token_ids=prompt,
-                        completion_token_ids=tuple(int(t) for t in arrays["token_ids"]),
-                        old_logprobs=tuple(float(x) for x in arrays["logprobs"]),
+                        # tolist: Python ints and floats, converted in C.
+                        completion_token_ids=tuple(arrays["token_ids"].tolist()),
+                        old_logprobs=tuple(arrays["logprobs"].tolist()),
                         reward=float(sib.reward if sib.reward is not None else 0.0),
                         weight_version=sib.weight_version,
                     )

@@ -7,6 +7,8 @@ UTF-8 name, 1-byte dtype code, u64 element count, raw elements.
 from __future__ import annotations
 
 import struct
+import sys
+from array import array
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -23,10 +25,43 @@ _DTYPES: dict[bytes, np.dtype] = {
 _CODES = {dt: code for code, dt in _DTYPES.items()}
 
 
+#: The stdlib array codes of the fast path, when they have the payload's item sizes and
+#: the machine is little-endian (the payload's byte order).
+_FAST = sys.byteorder == "little" and array("i").itemsize == 4 and array("q").itemsize == 8
+
+
+def _plain(values: object) -> tuple[bytes, bytes, int] | None:
+    """(dtype code, raw elements, count) of a list or tuple of plain ints (int32, or
+    int64 when one is beyond int32) or plain floats (float64, what numpy makes of them),
+    through the stdlib's C loop; None for anything else (numpy decides)."""
+    if not _FAST or not isinstance(values, list | tuple) or not values:
+        return None
+    kinds = set(map(type, values))
+    try:
+        if kinds == {int}:
+            try:
+                return b"i", array("i", values).tobytes(), len(values)
+            except OverflowError:
+                return b"l", array("q", values).tobytes(), len(values)
+        if kinds == {float}:
+            return b"d", array("d", values).tobytes(), len(values)
+    except OverflowError:
+        return None  # beyond int64: numpy's path names the array
+    return None
+
+
 def encode_arrays(arrays: Mapping[str, np.ndarray | Sequence[int] | Sequence[float]]) -> bytes:
-    """Encode named 1-D arrays. Python int lists become int32, float lists float32."""
+    """Encode named 1-D arrays. Python int lists become int32 (int64 when a value needs
+    it), float lists float64."""
     parts = [_MAGIC, struct.pack("<I", len(arrays))]
     for name, values in arrays.items():
+        plain = _plain(values)
+        if plain is not None:
+            code, raw, count = plain
+            raw_name = name.encode()
+            parts += (struct.pack("<H", len(raw_name)), raw_name, code, struct.pack("<Q", count))
+            parts.append(raw)
+            continue
         arr = np.asarray(values)
         if arr.ndim != 1:
             raise ValueError(f"array {name!r} must be 1-D, got shape {arr.shape}")

@@ -47,6 +47,9 @@ TINY = DomainBenchSizes(
     group_size=2,
     memory_steps=2,
     turn_trajectories=20,
+    turn_run_blocks=1,
+    turn_run_steps=1,
+    turn_model_call_s=0.0,
     turn_restore_trajectories=(10, 100),
 )
 
@@ -73,7 +76,14 @@ def test_json_has_the_ratios_and_their_targets(result: dict[str, Any]) -> None:
     )
     # Reported beside the targets, without one of its own: the loop without gc.freeze
     # (kept for readers of the JSON; the controller freezes nothing, so it is the default).
-    assert set(result["ratios"]) == {*TARGETS, "max_loop_pause_ms_without_gc_freeze"}
+    # And, without targets of their own, the multi-turn run against a single model call
+    # and the recording alone with no engine (turn_bench.py).
+    assert set(result["ratios"]) == {
+        *TARGETS,
+        "max_loop_pause_ms_without_gc_freeze",
+        "turn_run_vs_single_call",
+        "turn_record_overhead_no_engine",
+    }
     for name, value in result["ratios"].items():
         assert isinstance(value, float) and value > 0, name
     for name in TARGETS:
@@ -355,12 +365,26 @@ def test_the_loop_part_timed_full_collections_of_untracked_and_tracked_groups(
 def test_the_turns_part_compares_turn_events_with_one_completion_and_restores_two_sizes(
     result: dict[str, Any],
 ) -> None:
-    overhead = result["turns"]["overhead"]
-    assert overhead["turns"] == 10
-    assert overhead["trajectories_each"] == {"turns": 20, "one_completion": 20}
+    run = result["turns"]["run"]
+    assert run["shape"]["turns"] == 10
+    # One block of one step each way: 8 groups of 4 trajectories.
+    assert run["trajectories_each"] == {"turns": 32, "one_completion": 32, "single_call": 32}
+    per = run["seconds_per_trajectory"]
     assert result["ratios"]["turn_event_overhead"] == pytest.approx(
-        overhead["seconds_per_trajectory_turn_events"]
-        / overhead["seconds_per_trajectory_one_completion"]
+        per["turns"] / per["one_completion"]
+    )
+    assert result["ratios"]["turn_run_vs_single_call"] == pytest.approx(
+        per["turns"] / per["single_call"]
+    )
+    # Turn events are in the log of the turns way only: the other two record completions.
+    events = run["log_events"]
+    assert events["one_completion"] == events["single_call"] < events["turns"]
+    no_engine = result["turns"]["record_no_engine"]
+    assert no_engine["turns"] == 10
+    assert no_engine["trajectories_each"] == {"turns": 20, "one_completion": 20}
+    assert result["ratios"]["turn_record_overhead_no_engine"] == pytest.approx(
+        no_engine["seconds_per_trajectory_turn_events"]
+        / no_engine["seconds_per_trajectory_one_completion"]
     )
     restore = result["turns"]["restore"]
     small, large = restore["10"], restore["100"]

@@ -292,6 +292,16 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _plain_logprobs(lps: Sequence[float]) -> bool:
+    """Whether every item is a plain finite float <= 1e-6 (False: check one by one)."""
+    if set(map(type, lps)) != {float}:
+        return False
+    try:
+        return max(lps) <= 1e-6 and math.isfinite(math.fsum(lps))
+    except (OverflowError, ValueError):  # an intermediate overflow; inf and -inf
+        return False
+
+
 def validate_request(request: GroupRequest, vocab_size: int, max_model_len: int) -> None:
     """The request half of the contract, enforced identically by every backend.
 
@@ -329,7 +339,11 @@ def validate_request(request: GroupRequest, vocab_size: int, max_model_len: int)
         )
     if not request.prompt_token_ids:
         raise BackendError(f"group {request.group_id}: empty prompt", retryable=False)
-    bad = [t for t in request.prompt_token_ids if not (_is_int(t) and 0 <= t < vocab_size)]
+    ids = request.prompt_token_ids
+    # The common case in C (a multi-turn context is checked whole at every model call):
+    # plain ints within the vocabulary; anything else takes the exact check below.
+    fast = set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_size
+    bad = [] if fast else [t for t in ids if not (_is_int(t) and 0 <= t < vocab_size)]
     if bad:
         raise BackendError(
             f"group {request.group_id}: prompt token ids {bad[:5]} outside [0, {vocab_size})",
@@ -373,16 +387,20 @@ def validate_results(
                 f"{who}: {len(res.token_ids)} tokens exceed max_tokens "
                 f"{request.sampling.max_tokens}"
             )
-        for t in res.token_ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
-                raise MalformedResultError(f"{who}: token id {t!r} outside [0, {vocab_size})")
-        if len(res.logprobs) != len(res.token_ids):
-            raise MalformedResultError(
-                f"{who}: {len(res.logprobs)} logprobs for {len(res.token_ids)} tokens"
-            )
-        for lp in res.logprobs:
-            if not isinstance(lp, float) or not math.isfinite(lp) or lp > 1e-6:
-                raise MalformedResultError(f"{who}: logprob {lp!r} is not a finite value <= 0")
+        ids, lps = res.token_ids, res.logprobs
+        # Fast paths in C for the common case (plain ints in range; plain finite floats
+        # <= 1e-6: fsum is nan or infinite when any is, or raises on overflow); anything
+        # else takes the exact per-item check, which names the defect.
+        if not (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_size):
+            for t in ids:
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+                    raise MalformedResultError(f"{who}: token id {t!r} outside [0, {vocab_size})")
+        if len(lps) != len(ids):
+            raise MalformedResultError(f"{who}: {len(lps)} logprobs for {len(ids)} tokens")
+        if not _plain_logprobs(lps):
+            for lp in lps:
+                if not isinstance(lp, float) or not math.isfinite(lp) or lp > 1e-6:
+                    raise MalformedResultError(f"{who}: logprob {lp!r} is not a finite value <= 0")
         if res.finish_reason not in ("stop", "length"):
             raise MalformedResultError(f"{who}: unknown finish_reason {res.finish_reason!r}")
         if res.weight_version < 0:

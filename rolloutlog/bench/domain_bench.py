@@ -91,8 +91,9 @@ TARGETS: dict[str, tuple[str, float]] = {
     "restore_10m_vs_100k": ("<=", 1.5),
     "max_loop_pause_ms": ("<=", 50.0),
     "max_snapshot_step_ms": ("<=", 50.0),
-    # Multi-turn (rolloutlog/bench/turn_bench.py): turn events against one completion per
-    # trajectory; the restore's fold per open trajectory, 100k against 1k.
+    # Multi-turn (rolloutlog/bench/turn_bench.py): time per trajectory in a run, turn
+    # events against the same trajectory recorded as one completion; the restore's fold
+    # per open trajectory, 100k against 1k.
     "turn_event_overhead": ("<=", 1.05),
     "restore_100k_vs_1k_trajectories": ("<=", 1.2),
 }
@@ -132,8 +133,14 @@ class DomainBenchSizes:
     group_size: int = 16
     #: Training steps of the memory benchmark's base case.
     memory_steps: int = 10
-    #: Trajectories of 10 turns recorded each way (turn events, one completion).
+    #: Trajectories of 10 turns recorded each way with no engine (turn events, one
+    #: completion): ``turn_record_overhead_no_engine``.
     turn_trajectories: int = 1_000
+    #: The run of ``turn_event_overhead``: interleaved blocks (one per way each), steps
+    #: per block (32 trajectories a step), and the seconds of one model call.
+    turn_run_blocks: int = 6
+    turn_run_steps: int = 3
+    turn_model_call_s: float = 0.02
     #: Open trajectories in the two trajectory-restore logs (baseline, large).
     turn_restore_trajectories: tuple[int, int] = (1_000, 100_000)
 
@@ -152,6 +159,8 @@ SMALL_SIZES = DomainBenchSizes(
     restore_tail=2_500,
     memory_steps=4,
     turn_trajectories=200,
+    turn_run_blocks=3,
+    turn_run_steps=2,
     turn_restore_trajectories=(1_000, 10_000),
 )
 
@@ -1167,10 +1176,24 @@ def run_domain_benchmark(
             result["loop"] = bench_loop_pause(root, sizes, progress)
             ratios.update(result["loop"].pop("ratios"))
         if "turns" in parts:
-            from .turn_bench import bench_trajectory_restore, bench_turn_overhead
+            from .turn_bench import (
+                TurnRunShape,
+                bench_trajectory_restore,
+                bench_turn_overhead,
+                bench_turn_run,
+            )
 
             result["turns"] = {
-                "overhead": bench_turn_overhead(root, sizes.turn_trajectories, progress=progress),
+                "run": bench_turn_run(
+                    root,
+                    blocks=sizes.turn_run_blocks,
+                    steps_per_block=sizes.turn_run_steps,
+                    shape=TurnRunShape(model_call_s=sizes.turn_model_call_s),
+                    progress=progress,
+                ),
+                "record_no_engine": bench_turn_overhead(
+                    root, sizes.turn_trajectories, progress=progress
+                ),
                 "restore": bench_trajectory_restore(
                     root, sizes.turn_restore_trajectories, progress=progress
                 ),

@@ -191,6 +191,31 @@ def test_array_round_trip_property(
     assert out["f"].tolist() == floats32
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    ints=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=30),
+    floats=st.lists(st.floats(width=64), max_size=30),
+)
+def test_python_lists_encode_as_numpy_makes_them(ints: list[int], floats: list[float]) -> None:
+    """Plain int and float lists take a stdlib fast path: the same bytes as numpy's
+    (int32, int64 when a value needs it; float64), tuples too."""
+    for values in (ints, floats, tuple(ints)):
+        arr = np.asarray(values)
+        if arr.dtype.kind == "i":
+            small = not arr.size or (arr.min() >= -(2**31) and arr.max() < 2**31)
+            arr = arr.astype("<i4" if small else "<i8")
+        assert encode_arrays({"x": values}) == encode_arrays({"x": arr})
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [([2**63], "int64"), ([-(2**63) - 1], "dtype object"), ([True, False], "dtype bool")],
+)
+def test_python_lists_numpy_refuses_are_refused(values: list[object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        encode_arrays({"x": values})
+
+
 @pytest.mark.parametrize(
     "values",
     [
