@@ -475,3 +475,69 @@ def test_epochs_counted_in_the_log_stop_training(tokenizer: Any, tmp_path: Path)
         assert max(worker.callback.step_ms) < 1000
     finally:
         worker.stop()
+
+
+def test_checkpoint_does_not_wait_for_the_publish_in_flight(tokenizer: Any, tmp_path: Path) -> None:
+    """``wait_for_publish=False`` with slow generation: each weight sync's publish runs on
+    the worker's loop and waits for in-flight generation to drain. The save does not wait
+    for it: the checkpoint records the steps TRL trained (and no later ones), and at its
+    offset the log has not recorded the last step's publish yet. A resume from it is
+    lossless and republishes the checkpoint's weight version before generating."""
+    args = _args(tmp_path)
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    worker = _worker(tokenizer, url, args, latency=0.3, wait_for_publish=False)
+    trainer = FakeTrainer(worker, args, tokenizer)
+    trainer.begin()
+    try:
+        for _ in range(3):
+            trainer.step()
+        folder = trainer.save()
+        trainer.step()  # trained after the checkpoint: not part of it
+        trainer.step()
+    finally:
+        worker.stop()  # waits for the publishes and the checkpoint's file
+    ckpt = read_checkpoint(folder)
+    assert (ckpt.train_step, ckpt.weight_version, ckpt.trl_global_step) == (3, 3, 3)
+    assert ckpt.trl_model_version == 4  # TRL's numbering: the cold sync was version 1
+    run_id = worker.run_id or ""
+    store = EventStore.open(url)
+    try:
+        at_ckpt = state_at(store, run_id, ckpt.offset)
+        assert (at_ckpt.train_step, at_ckpt.weight_version) == (3, 3)
+        assert at_ckpt.published_version < 3  # the publish was still draining
+        published = [
+            CODEC.decode(r).weight_version  # type: ignore[attr-defined]
+            for r in read_where(store, run_id, event_type="WeightsPublished")
+        ]
+        # Coalesced publishes skip versions, but they are recorded in order, up to the
+        # last step trained.
+        assert published == sorted(set(published)) and published[-1] == 5
+    finally:
+        store.close()
+    assert not trainer.metrics.get("sample/dropped_stale_total")
+
+    resumed = _worker(tokenizer, url, args, latency=0.02, wait_for_publish=False)
+    trainer2 = FakeTrainer(resumed, args, tokenizer, global_step=3)
+    trainer2.begin()
+    try:
+        assert resumed.backend.weight_version == 3  # the checkpoint's weights, republished
+        for _ in range(4):
+            trainer2.step()
+    finally:
+        resumed.stop()
+    assert not trainer2.metrics.get("sample/dropped_stale_total")
+    store = EventStore.open(url)
+    try:
+        ledger = build_ledger(store, run_id)
+        check = cross_check(ledger, state_at(store, run_id, None))
+        assert check.prompts_lost == 0
+        assert check.prompts_trained_twice == 0
+        assert check.prompts_trained == 7 * 2
+        republished = [
+            CODEC.decode(r).weight_version  # type: ignore[attr-defined]
+            for r in read_where(store, run_id, event_type="WeightsPublished")
+            if r.epoch == 2
+        ]
+        assert republished[0] == 3
+    finally:
+        store.close()

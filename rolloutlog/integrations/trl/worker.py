@@ -25,6 +25,7 @@ import contextlib
 import logging
 import math
 import multiprocessing.queues
+import os
 import queue
 import threading
 import time
@@ -32,6 +33,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -46,7 +48,7 @@ from rolloutlog.controller.rollout_controller import RecoveryReport, RolloutCont
 from rolloutlog.controller.rollout_runtime import GenerationConfig, RolloutRuntime
 from rolloutlog.eventstore import EventStore, EventStoreProtocol, decode_arrays
 
-from .checkpoint import RolloutlogCheckpoint, read_checkpoint
+from .checkpoint import RolloutlogCheckpoint, read_checkpoint, write_checkpoint
 from .errors import LogMismatchError, TrlConfigError, UnsupportedTrlFeatureError, WorkerFailedError
 from .prompts import RewardFunc, TrlPrompts
 
@@ -236,9 +238,17 @@ class RolloutlogWorker:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._lock = threading.Lock()
-        # Commands on the loop (publish, checkpoint) run one at a time, in call order.
+        # On the loop: a command's log writes (a publish's record, a checkpoint) run one at
+        # a time, in call order; publishes run one at a time, in call order, and hold the
+        # command lock only until their weight swap has begun, so a checkpoint waits for
+        # no generation to drain.
         self._commands: asyncio.Lock | None = None
+        self._publishing: asyncio.Lock | None = None
+        self._publishes_open = 0  # publishes started on the loop and not finished
+        self._dispatch_held = False  # a checkpoint recorded steps whose publish is to come
         self._publishes: deque[concurrent.futures.Future[None]] = deque()
+        # Checkpoints TRL saved whose rolloutlog file is not written yet.
+        self._saves: deque[concurrent.futures.Future[RolloutlogCheckpoint]] = deque()
         # Versions: TRL's model_version = the log's weight version + offset.
         self._trl_version: int | None = None
         self._version_offset = 0
@@ -248,6 +258,7 @@ class RolloutlogWorker:
         self._publish_queued = False
         # Hand-off
         self._next_step = 0
+        self._steps_done = 0  # train steps TRL finished (recorded or not)
         self._handed: deque[_Handed] = deque()
         self._to_record: list[_Handed] = []
         self._held_since: float | None = None
@@ -286,9 +297,13 @@ class RolloutlogWorker:
         thread = self._thread
         if thread is None:
             return
-        # The publishes TRL asked for are recorded before the loop ends.
+        # The publishes and checkpoints TRL asked for are in the log before the loop ends.
         with contextlib.suppress(WorkerFailedError):
             self._wait_publishes()
+        try:
+            self.wait_saves()
+        except WorkerFailedError as exc:
+            log.warning("%s", exc)
         self._stopping.set()
         loop = self._loop
         if loop is not None and self._wake is not None:
@@ -307,9 +322,9 @@ class RolloutlogWorker:
         self._trl_version = int(model_version)
         if self._loop is None or not self._ready.is_set() or self._error is not None:
             return
-        self._raise_failed_publish()
+        self._raise_failed_commands()
         if self.wait_for_publish:
-            self._call(self._serial(self._publish(int(model_version))))
+            self._call(self._publish(int(model_version)))
             return
         if self.policy is not None:
             with self._lock:
@@ -325,20 +340,36 @@ class RolloutlogWorker:
             if self._publish_queued:  # that publish, not started yet, takes this version
                 return
             self._publish_queued = True
-        future = asyncio.run_coroutine_threadsafe(self._serial(self._publish(None)), loop)
+        future = asyncio.run_coroutine_threadsafe(self._publish(None), loop)
         with self._lock:
             self._publishes.append(future)
 
-    def _raise_failed_publish(self) -> None:
-        """Forget the publishes that are done; raise if one failed."""
+    def _raise_failed_commands(self) -> None:
+        """Forget the publishes and checkpoints that are done; raise if one failed."""
         with self._lock:
-            while self._publishes and self._publishes[0].done():
-                future = self._publishes.popleft()
-                error = None if future.cancelled() else future.exception()
-                if error is not None:
-                    raise WorkerFailedError(
-                        f"the rolloutlog worker failed to publish weights: {error}"
-                    ) from error
+            for futures, what in (
+                (self._publishes, "publish weights"),
+                (self._saves, "write a checkpoint"),
+            ):
+                while futures and futures[0].done():
+                    future = futures.popleft()
+                    error = None if future.cancelled() else future.exception()
+                    if error is not None:
+                        raise WorkerFailedError(
+                            f"the rolloutlog worker failed to {what}: {error}"
+                        ) from error
+
+    def wait_saves(self) -> None:
+        """Wait (at most ``timeout_s`` each) until the checkpoints asked for are written;
+        raise if one failed."""
+        with self._lock:
+            pending = list(self._saves)
+        _done, not_done = concurrent.futures.wait(pending, self.timeout_s)
+        if not_done:
+            raise WorkerFailedError(
+                f"{len(not_done)} checkpoint(s) were not written within {self.timeout_s}s"
+            )
+        self._raise_failed_commands()
 
     def _wait_publishes(self) -> None:
         """Wait (at most ``timeout_s`` each) for the publishes in flight; raise if one failed."""
@@ -349,7 +380,7 @@ class RolloutlogWorker:
             raise WorkerFailedError(
                 f"{len(not_done)} weight publish(es) did not finish within {self.timeout_s}s"
             )
-        self._raise_failed_publish()
+        self._raise_failed_commands()
 
     def check_health(self, stale_after_s: float) -> None:
         """Raise if the worker failed, or cannot feed the trainer (named in the message)."""
@@ -357,7 +388,7 @@ class RolloutlogWorker:
             raise WorkerFailedError(
                 f"the rolloutlog worker stopped: {self._error}"
             ) from self._error
-        self._raise_failed_publish()
+        self._raise_failed_commands()
         if self._exhausted is not None and self.rollout_buffer.empty():
             raise WorkerFailedError(self._exhausted)
         thread = self._thread
@@ -477,6 +508,7 @@ class RolloutlogWorker:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._commands = asyncio.Lock()
+        self._publishing = asyncio.Lock()
         own_store = isinstance(self.store_spec, str)
         store = (
             EventStore.open(self.store_spec)
@@ -511,6 +543,7 @@ class RolloutlogWorker:
                     await runtime.sync_weights(weights, state.weight_version)
                     await runtime.start()
                     self._next_step = state.train_step
+                    self._steps_done = state.train_step
                     self._ready.set()
                     await self._serve(runtime, controller)
                 finally:
@@ -727,14 +760,21 @@ class RolloutlogWorker:
             while self._handed and not any(self._handed[0].untrained.values()):
                 done.append(self._handed.popleft())
             self._to_record.extend(done)
+            self._steps_done += len(done)
         return len(done)
 
-    async def _record(self) -> None:
-        """Select and record as trained the steps TRL has trained (in order)."""
+    async def _record(self, upto: int | None = None) -> int:
+        """Select and record as trained the steps TRL has trained (in order; with
+        ``upto``, those before step ``upto`` only); returns how many. No await suspends
+        it: nothing is dispatched in between."""
         controller, runtime = self.controller, self.runtime
         assert controller is not None and runtime is not None
         with self._lock:
-            done, self._to_record = self._to_record, []
+            if upto is None:
+                done, self._to_record = self._to_record, []
+            else:
+                done = [h for h in self._to_record if h.step < upto]
+                self._to_record = [h for h in self._to_record if h.step >= upto]
         state = controller.state
         for handed in done:
             s = handed.step
@@ -759,45 +799,126 @@ class RolloutlogWorker:
             self.steps_recorded += 1
         if self._wake is not None:
             self._wake.set()
+        return len(done)
 
     async def _publish(self, trl_version: int | None) -> None:
         """Record the trained steps and publish ``trl_version`` (``None``: the newest TRL
-        announced, the publishes queued behind a slow one coalesced into one)."""
-        controller, runtime = self.controller, self.runtime
-        assert controller is not None and runtime is not None
-        if trl_version is None:
-            with self._lock:
-                self._publish_queued = False
-                trl_version = self._trl_version
-            assert trl_version is not None
-        await self._record()  # no await inside before publish_weights stops dispatch
-        state = controller.state
-        version = min(trl_version - self._version_offset, state.weight_version)
-        if version <= state.published_version:
-            return
-        weights = self._take_weights(trl_version)
-        if weights is not None:
-            await runtime.publish_weights(weights, version)
+        announced, the publishes queued behind a slow one coalesced into one).
 
-    async def _checkpoint(self) -> tuple[int, int, int]:
+        The record and the start of the weight swap happen without a suspension between
+        them (``publish_weights`` stops dispatch before its first await), so nothing is
+        dispatched at the old version once the new train step is recorded. The command
+        lock is released then: a checkpoint does not wait for the swap, which waits for
+        in-flight generation to drain.
+        """
         controller, runtime = self.controller, self.runtime
         assert controller is not None and runtime is not None
-        await self._record()
-        step = controller.state.train_step
-        offset = await runtime.checkpoint(step)
-        return offset, step, controller.state.weight_version
+        assert self._publishing is not None and self._commands is not None
+        self._publishes_open += 1
+        try:
+            async with self._publishing:
+                async with self._commands:
+                    if trl_version is None:
+                        with self._lock:
+                            self._publish_queued = False
+                            trl_version = self._trl_version
+                        assert trl_version is not None
+                    await self._record()
+                    state = controller.state
+                    version = min(trl_version - self._version_offset, state.weight_version)
+                    if version <= state.published_version:
+                        return
+                    weights = self._take_weights(trl_version)
+                    if weights is None:
+                        return
+                # Released without a suspension: publish_weights holds dispatch first.
+                await runtime.publish_weights(weights, version)
+        finally:
+            self._publishes_open -= 1
+            if self._dispatch_held and not self._publishes_open:
+                self._dispatch_held = False
+                runtime.release_dispatch()
+
+    async def _checkpoint(self, upto: int | None = None) -> tuple[int, int, int]:
+        """Record the trained steps (those before ``upto`` when given) and mark a durable
+        checkpoint, without waiting for a publish in flight.
+
+        The checkpoint needs every step TRL trained recorded at or before its offset (a
+        resume must not hand a trained group again), and the weight version it names is
+        the one those steps produced, i.e. the trainer's weights saved with it. Whether
+        their publish is in the log before the offset does not matter: a resumed worker
+        loads the trainer's weights and records the publish the log lacks
+        (``RolloutRuntime.sync_weights``). When this records steps whose publish is
+        still queued, dispatch is held until that publish is done, as the publish's own
+        record would have.
+        """
+        controller, runtime = self.controller, self.runtime
+        assert controller is not None and runtime is not None and self._commands is not None
+        async with self._commands:
+            recorded = await self._record(upto)
+            if recorded and self._publishes_open and not self._dispatch_held:
+                runtime.hold_dispatch()
+                self._dispatch_held = True
+            step = controller.state.train_step
+            if upto is not None and step != upto:
+                raise WorkerFailedError(
+                    f"the checkpoint of TRL's step {upto} found {step} train steps in the log"
+                )
+            offset = await runtime.checkpoint(step)
+            return offset, step, controller.state.weight_version
 
     def checkpoint(self) -> tuple[int, int, int]:
         """Mark a checkpoint in the log (durable): ``(offset, train step, weight version)``,
-        after the publishes asked for before it."""
-        self._raise_failed_publish()
-        return self._call(self._serial(self._checkpoint()))
+        with every step TRL trained before it recorded; a weight publish still draining
+        is not waited for."""
+        self._raise_failed_commands()
+        return self._call(self._checkpoint())
 
-    async def _serial(self, coro: Coroutine[Any, Any, T]) -> T:
-        """``coro`` once the commands before it have finished (FIFO)."""
-        assert self._commands is not None
-        async with self._commands:
-            return await coro
+    def save_checkpoint(
+        self, folder: str | os.PathLike[str], trl_global_step: int
+    ) -> concurrent.futures.Future[RolloutlogCheckpoint]:
+        """Checkpoint the log for TRL's checkpoint ``folder``; returns at once.
+
+        On the worker's loop, in order with the publishes: the steps TRL finished before
+        this call are recorded, a checkpoint is marked, and once it is durable its
+        ``rolloutlog_state.json`` is written into ``folder`` (atomically), so a folder
+        never names an offset the log may lack. A crash before that leaves the folder
+        without the file, which a resume refuses with one line (an earlier checkpoint
+        still resumes). :meth:`wait_saves` (the callback's ``on_train_end``) and
+        :meth:`stop` wait for the writes; a failure surfaces there or at the next
+        ``update_model_version``, ``check_health`` or save.
+        """
+        self._raise_failed_commands()
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None or not thread.is_alive():
+            raise WorkerFailedError(
+                "the rolloutlog worker is not running"
+                + (f": {self._error}" if self._error is not None else "")
+            )
+        with self._lock:
+            upto, trl_version = self._steps_done, self._trl_version
+        coro = self._save(Path(folder), upto, int(trl_global_step), trl_version)
+        future = asyncio.run_coroutine_threadsafe(coro, loop)
+        with self._lock:
+            self._saves.append(future)
+        return future
+
+    async def _save(
+        self, folder: Path, upto: int, trl_global_step: int, trl_version: int | None
+    ) -> RolloutlogCheckpoint:
+        offset, step, version = await self._checkpoint(upto)
+        assert self.run_id is not None
+        ckpt = RolloutlogCheckpoint(
+            run_id=self.run_id,
+            offset=offset,
+            train_step=step,
+            weight_version=version,
+            trl_global_step=trl_global_step,
+            trl_model_version=trl_version,
+            dataset_fingerprint=self.prompts.fingerprint,
+        )
+        await asyncio.to_thread(write_checkpoint, folder, ckpt)
+        return ckpt
 
     def trained_groups(self) -> int:
         """Groups trained: those the log records (survives a resume) and those of the
