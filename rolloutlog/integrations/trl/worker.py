@@ -40,7 +40,7 @@ import numpy as np
 
 from rolloutlog.controller.backends.base import GenerationBackend
 from rolloutlog.controller.config import RolloutConfig, StoreConfig
-from rolloutlog.controller.domain import SelectBatch
+from rolloutlog.controller.domain import MarkCheckpoint, SelectBatch
 from rolloutlog.controller.domain.admission import data_exhausted
 from rolloutlog.controller.domain.errors import RestoreError
 from rolloutlog.controller.domain.state import GroupState, Phase, SiblingStatus
@@ -63,6 +63,14 @@ class _Handed:
     step: int
     group_ids: tuple[int, ...]
     untrained: dict[int, int] = field(default_factory=dict)  # group id -> samples left
+
+
+@dataclass
+class _Mark:
+    """A checkpoint TRL asked for, in order with the trained steps to record: marked in
+    the log after the steps before it, whoever records them (a publish or the save)."""
+
+    marked: tuple[int, int, int] | None = None  # (offset, train step, weight version)
 
 
 def _trl_sample_class() -> Any:
@@ -258,9 +266,9 @@ class RolloutlogWorker:
         self._publish_queued = False
         # Hand-off
         self._next_step = 0
-        self._steps_done = 0  # train steps TRL finished (recorded or not)
         self._handed: deque[_Handed] = deque()
-        self._to_record: list[_Handed] = []
+        # Steps TRL finished and checkpoints it asked for, in call order, to be recorded.
+        self._to_record: list[_Handed | _Mark] = []
         self._held_since: float | None = None
         self._held: tuple[int, int] | None = None  # (step, groups held back)
         self._exhausted: str | None = None
@@ -543,7 +551,6 @@ class RolloutlogWorker:
                     await runtime.sync_weights(weights, state.weight_version)
                     await runtime.start()
                     self._next_step = state.train_step
-                    self._steps_done = state.train_step
                     self._ready.set()
                     await self._serve(runtime, controller)
                 finally:
@@ -760,23 +767,24 @@ class RolloutlogWorker:
             while self._handed and not any(self._handed[0].untrained.values()):
                 done.append(self._handed.popleft())
             self._to_record.extend(done)
-            self._steps_done += len(done)
         return len(done)
 
-    async def _record(self, upto: int | None = None) -> int:
-        """Select and record as trained the steps TRL has trained (in order; with
-        ``upto``, those before step ``upto`` only); returns how many. No await suspends
-        it: nothing is dispatched in between."""
+    async def _record(self) -> int:
+        """Select and record as trained the steps TRL has trained, and mark the
+        checkpoints it asked for between them, in call order; returns how many steps.
+        No await suspends it: nothing is dispatched in between."""
         controller, runtime = self.controller, self.runtime
         assert controller is not None and runtime is not None
         with self._lock:
-            if upto is None:
-                done, self._to_record = self._to_record, []
-            else:
-                done = [h for h in self._to_record if h.step < upto]
-                self._to_record = [h for h in self._to_record if h.step >= upto]
+            done, self._to_record = self._to_record, []
         state = controller.state
+        steps = 0
         for handed in done:
+            if isinstance(handed, _Mark):
+                step = state.train_step
+                applied = controller.execute(MarkCheckpoint(train_step=step))
+                handed.marked = (applied[-1][0], step, state.weight_version)
+                continue
             s = handed.step
             while s not in state.batches:
                 applied = controller.execute(SelectBatch(s))
@@ -797,9 +805,10 @@ class RolloutlogWorker:
                 )
             await runtime.report_trained(s, state.weight_version + 1)
             self.steps_recorded += 1
+            steps += 1
         if self._wake is not None:
             self._wake.set()
-        return len(done)
+        return steps
 
     async def _publish(self, trl_version: int | None) -> None:
         """Record the trained steps and publish ``trl_version`` (``None``: the newest TRL
@@ -839,55 +848,8 @@ class RolloutlogWorker:
                 self._dispatch_held = False
                 runtime.release_dispatch()
 
-    async def _checkpoint(self, upto: int | None = None) -> tuple[int, int, int]:
-        """Record the trained steps (those before ``upto`` when given) and mark a durable
-        checkpoint, without waiting for a publish in flight.
-
-        The checkpoint needs every step TRL trained recorded at or before its offset (a
-        resume must not hand a trained group again), and the weight version it names is
-        the one those steps produced, i.e. the trainer's weights saved with it. Whether
-        their publish is in the log before the offset does not matter: a resumed worker
-        loads the trainer's weights and records the publish the log lacks
-        (``RolloutRuntime.sync_weights``). When this records steps whose publish is
-        still queued, dispatch is held until that publish is done, as the publish's own
-        record would have.
-        """
-        controller, runtime = self.controller, self.runtime
-        assert controller is not None and runtime is not None and self._commands is not None
-        async with self._commands:
-            recorded = await self._record(upto)
-            if recorded and self._publishes_open and not self._dispatch_held:
-                runtime.hold_dispatch()
-                self._dispatch_held = True
-            step = controller.state.train_step
-            if upto is not None and step != upto:
-                raise WorkerFailedError(
-                    f"the checkpoint of TRL's step {upto} found {step} train steps in the log"
-                )
-            offset = await runtime.checkpoint(step)
-            return offset, step, controller.state.weight_version
-
-    def checkpoint(self) -> tuple[int, int, int]:
-        """Mark a checkpoint in the log (durable): ``(offset, train step, weight version)``,
-        with every step TRL trained before it recorded; a weight publish still draining
-        is not waited for."""
-        self._raise_failed_commands()
-        return self._call(self._checkpoint())
-
-    def save_checkpoint(
-        self, folder: str | os.PathLike[str], trl_global_step: int
-    ) -> concurrent.futures.Future[RolloutlogCheckpoint]:
-        """Checkpoint the log for TRL's checkpoint ``folder``; returns at once.
-
-        On the worker's loop, in order with the publishes: the steps TRL finished before
-        this call are recorded, a checkpoint is marked, and once it is durable its
-        ``rolloutlog_state.json`` is written into ``folder`` (atomically), so a folder
-        never names an offset the log may lack. A crash before that leaves the folder
-        without the file, which a resume refuses with one line (an earlier checkpoint
-        still resumes). :meth:`wait_saves` (the callback's ``on_train_end``) and
-        :meth:`stop` wait for the writes; a failure surfaces there or at the next
-        ``update_model_version``, ``check_health`` or save.
-        """
+    def _ask_checkpoint(self) -> tuple[_Mark, asyncio.AbstractEventLoop]:
+        """Queue a checkpoint after the steps TRL finished so far (none later)."""
         self._raise_failed_commands()
         loop, thread = self._loop, self._thread
         if loop is None or thread is None or not thread.is_alive():
@@ -895,18 +857,72 @@ class RolloutlogWorker:
                 "the rolloutlog worker is not running"
                 + (f": {self._error}" if self._error is not None else "")
             )
+        mark = _Mark()
         with self._lock:
-            upto, trl_version = self._steps_done, self._trl_version
-        coro = self._save(Path(folder), upto, int(trl_global_step), trl_version)
+            self._to_record.append(mark)
+        return mark, loop
+
+    async def _checkpoint(self, mark: _Mark) -> tuple[int, int, int]:
+        """Mark ``mark`` (unless a publish's record did already) and make it durable,
+        without waiting for a publish in flight.
+
+        The checkpoint needs every step TRL trained before it recorded at or before its
+        offset and none after (a resume must not hand a trained group again, nor skip
+        one), and the weight version it names is the one those steps produced, i.e. the
+        trainer's weights saved with it. Whether their publish is in the log before the
+        offset does not matter: a resumed worker loads the trainer's weights and records
+        the publish the log lacks (``RolloutRuntime.sync_weights``). When this records
+        steps whose publish is still queued, dispatch is held until that publish is
+        done, as the publish's own record would have.
+        """
+        controller, runtime = self.controller, self.runtime
+        assert controller is not None and runtime is not None and self._commands is not None
+        started = time.perf_counter()
+        async with self._commands:
+            recorded = await self._record()
+            if recorded and self._publishes_open and not self._dispatch_held:
+                runtime.hold_dispatch()
+                self._dispatch_held = True
+        if mark.marked is None:  # a record before this one failed part-way
+            raise WorkerFailedError("the checkpoint was not marked: recording the steps failed")
+        await controller.aflush()
+        runtime.checkpoint_seconds.append(time.perf_counter() - started)
+        return mark.marked
+
+    def checkpoint(self) -> tuple[int, int, int]:
+        """Mark a checkpoint in the log (durable): ``(offset, train step, weight version)``,
+        after every step TRL finished before this call; a weight publish still draining
+        is not waited for."""
+        mark, _loop = self._ask_checkpoint()
+        return self._call(self._checkpoint(mark))
+
+    def save_checkpoint(
+        self, folder: str | os.PathLike[str], trl_global_step: int
+    ) -> concurrent.futures.Future[RolloutlogCheckpoint]:
+        """Checkpoint the log for TRL's checkpoint ``folder``; returns at once.
+
+        The checkpoint is marked after the steps TRL finished before this call (and
+        before any it finishes later) and, once it is durable, its
+        ``rolloutlog_state.json`` is written into ``folder`` (atomically) on the
+        worker's thread, so a folder never names an offset the log may lack. A crash
+        before that leaves the folder without the file, which a resume refuses with one
+        line (an earlier checkpoint still resumes). :meth:`wait_saves` (the callback's
+        ``on_train_end``) and :meth:`stop` wait for the writes; a failure surfaces there
+        or at the next ``update_model_version``, ``check_health`` or save.
+        """
+        mark, loop = self._ask_checkpoint()
+        with self._lock:
+            trl_version = self._trl_version
+        coro = self._save(mark, Path(folder), int(trl_global_step), trl_version)
         future = asyncio.run_coroutine_threadsafe(coro, loop)
         with self._lock:
             self._saves.append(future)
         return future
 
     async def _save(
-        self, folder: Path, upto: int, trl_global_step: int, trl_version: int | None
+        self, mark: _Mark, folder: Path, trl_global_step: int, trl_version: int | None
     ) -> RolloutlogCheckpoint:
-        offset, step, version = await self._checkpoint(upto)
+        offset, step, version = await self._checkpoint(mark)
         assert self.run_id is not None
         ckpt = RolloutlogCheckpoint(
             run_id=self.run_id,
@@ -926,7 +942,7 @@ class RolloutlogWorker:
         controller = self.controller
         recorded = 0 if controller is None else controller.state.counters.groups_trained
         with self._lock:
-            pending = sum(len(h.group_ids) for h in self._to_record)
+            pending = sum(len(h.group_ids) for h in self._to_record if isinstance(h, _Handed))
         return recorded + pending
 
     def data_exhausted(self) -> bool:
