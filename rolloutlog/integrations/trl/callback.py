@@ -100,9 +100,7 @@ class RolloutlogCallback(TrainerCallback):  # type: ignore[misc]
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # Returns at once: the worker writes rolloutlog_state.json into the folder once
-        # the log's checkpoint is durable (RolloutlogWorker.save_checkpoint).
+        # the log's checkpoint is durable (RolloutlogWorker.save_checkpoint); its stop(),
+        # which TRL calls when training ends, waits for that.
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         self.worker.save_checkpoint(folder, int(state.global_step))
-
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.worker.wait_saves()

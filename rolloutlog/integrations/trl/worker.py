@@ -301,17 +301,19 @@ class RolloutlogWorker:
 
     def stop(self) -> None:
         """Stop the pump (in-flight attempts recorded as aborted), flush the log, close the
-        backend and the store; the worker's threads are gone when this returns."""
+        backend and the store; the worker's threads are gone when this returns. Waits for
+        the checkpoints' files first, and raises (after stopping) if one failed."""
         thread = self._thread
         if thread is None:
             return
         # The publishes and checkpoints TRL asked for are in the log before the loop ends.
         with contextlib.suppress(WorkerFailedError):
             self._wait_publishes()
+        save_error: WorkerFailedError | None = None
         try:
             self.wait_saves()
-        except WorkerFailedError as exc:
-            log.warning("%s", exc)
+        except WorkerFailedError as exc:  # raised once the worker has stopped
+            save_error = exc
         self._stopping.set()
         loop = self._loop
         if loop is not None and self._wake is not None:
@@ -323,6 +325,8 @@ class RolloutlogWorker:
         self._thread = None
         if self._error is not None and not isinstance(self._error, asyncio.CancelledError):
             log.warning("the rolloutlog worker had stopped with an error: %s", self._error)
+        if save_error is not None:  # a TRL checkpoint lacks its rolloutlog file
+            raise save_error
 
     def update_model_version(self, model_version: int) -> None:
         """TRL published ``model_version``: record the publish in the log (and load the
@@ -634,7 +638,16 @@ class RolloutlogWorker:
             return True
         self._held = None
         self._held_since = None
-        samples = await asyncio.to_thread(self._build_samples, runtime, controller, again)
+        cache: dict[int, dict[str, bytes]] = getattr(runtime, "_payload_cache", {})
+        if all(
+            s.payload_id in cache.get(g.group_id, ())
+            for g in again
+            for s in g.siblings
+            if s.status is SiblingStatus.DONE
+        ):  # in memory: cheaper here than a hop to a thread and back
+            samples = self._build_samples(runtime, controller, again)
+        else:  # database reads (after a restore) stay off the loop
+            samples = await asyncio.to_thread(self._build_samples, runtime, controller, again)
         counts: dict[int, int] = {}
         for sample in samples:
             counts[sample.group_id] = counts.get(sample.group_id, 0) + 1
@@ -906,9 +919,9 @@ class RolloutlogWorker:
         ``rolloutlog_state.json`` is written into ``folder`` (atomically) on the
         worker's thread, so a folder never names an offset the log may lack. A crash
         before that leaves the folder without the file, which a resume refuses with one
-        line (an earlier checkpoint still resumes). :meth:`wait_saves` (the callback's
-        ``on_train_end``) and :meth:`stop` wait for the writes; a failure surfaces there
-        or at the next ``update_model_version``, ``check_health`` or save.
+        line (an earlier checkpoint still resumes). :meth:`wait_saves` and :meth:`stop`
+        (TRL's trainer calls it when training ends) wait for the writes; a failure
+        surfaces there or at the next ``update_model_version``, ``check_health`` or save.
         """
         mark, loop = self._ask_checkpoint()
         with self._lock:
