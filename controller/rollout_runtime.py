@@ -676,6 +676,11 @@ class RolloutRuntime:
         self.controller.execute(commands.RecordTrainStep(train_step, weight_version))
         self._changed.set()
 
+    @property
+    def generating(self) -> int:
+        """Groups with a generation request in flight."""
+        return len(self._flights)
+
     def hold_dispatch(self) -> None:
         """Dispatch nothing until :meth:`release_dispatch` (calls nest).
 

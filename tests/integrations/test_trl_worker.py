@@ -541,3 +541,109 @@ def test_checkpoint_does_not_wait_for_the_publish_in_flight(tokenizer: Any, tmp_
         assert republished[0] == 3
     finally:
         store.close()
+
+
+class _ElsewhereLoaded(DeterministicBackend):
+    """A backend whose weights arrive another way (as nccl_vllm_backend's): a publish
+    tells it the version. Counts what it saw in flight when the version changed."""
+
+    loads_weights_elsewhere = True
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.in_flight_at_swap: list[int] = []
+
+    async def update_weights(self, named_tensors: Any, version: int) -> None:
+        names = [n for n, _ in named_tensors]
+        assert names == ["rolloutlog.weight_version_marker"]  # no weights through here
+        self.in_flight_at_swap.append(len(self._inflight))
+        self._weight_version = version
+
+
+class _FakeNcclClient:
+    """TRL's WeightTransferClient's calls, recorded (the NCCL side needs GPUs)."""
+
+    def __init__(self, worker: RolloutlogWorker) -> None:
+        self.worker = worker
+        self.calls: list[str] = []
+        self.generating_at_send: list[int] = []
+
+    def init_weight_transfer(self) -> None:
+        self.calls.append("init")
+
+    def pause(self) -> None:
+        self.calls.append("pause")
+
+    def send_weights(self, iterator: Any) -> None:
+        runtime = self.worker.runtime
+        self.generating_at_send.append(-1 if runtime is None else runtime.generating)
+        self.calls.append(f"send {sum(1 for _ in iterator)}")
+
+    def resume(self) -> None:
+        self.calls.append("resume")
+
+    def destroy(self) -> None:
+        self.calls.append("destroy")
+
+
+def test_nccl_transfer_drains_generation_and_records_the_version(
+    tokenizer: Any, tmp_path: Path
+) -> None:
+    """NcclWeightTransfer on the CPU (TRL's client faked): ``pause`` drains the worker's
+    generation before the weights are sent (no completion mixes two versions), the
+    backend is told each version without being sent weights, and the log records every
+    publish; a backend that loads weights itself is refused with one line."""
+    from rolloutlog.integrations.trl import NcclWeightTransfer
+
+    args = _args(tmp_path)
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    with pytest.raises(TrlConfigError, match="needs the worker's backend from nccl_vllm_backend"):
+        NcclWeightTransfer(_worker(tokenizer, url, args), _FakeNcclClient(None))  # type: ignore[arg-type]
+    backend = _ElsewhereLoaded(
+        vocab_size=len(tokenizer), max_model_len=128, eos_token_id=tokenizer.eos_token_id,
+        latency=0.05,
+    )  # fmt: skip
+    worker = RolloutlogWorker(
+        store=url,
+        train_dataset=_dataset(),
+        processing_class=tokenizer,
+        reward_funcs=[length_reward],
+        backend=backend,
+        args=args,
+        timeout_s=60,
+    )
+    client = _FakeNcclClient(worker)
+    transfer = NcclWeightTransfer(worker, client)
+    trainer = FakeTrainer(worker, args, tokenizer)
+    transfer.init_weight_transfer()
+    trainer.begin()
+    try:
+        for _ in range(3):  # FakeTrainer.step with TRL's weight sync through the transfer
+            for _ in range(args.gradient_accumulation_steps):
+                _batch, gids = next(trainer._batches)
+                trainer.trained_groups.extend(dict.fromkeys(gids))
+            trainer.state.global_step += 1
+            worker.callback.on_step_end(args, trainer.state, trainer.control)
+            transfer.pause()
+            transfer.send_weights(iter([("w", np.zeros(2))]))
+            transfer.resume()
+            trainer._sync()
+        assert worker.controller is not None
+        assert worker.controller.state.published_version == 3
+        assert backend.weight_version == 3
+    finally:
+        worker.stop()
+        transfer.destroy()
+    assert client.calls == ["init"] + ["pause", "send 1", "resume"] * 3 + ["destroy"]
+    assert client.generating_at_send == [0, 0, 0]  # drained before every transfer
+    assert backend.in_flight_at_swap == [0, 0, 0]
+    assert not trainer.metrics.get("sample/dropped_stale_total")
+    store = EventStore.open(url)
+    try:
+        published = [
+            CODEC.decode(r).weight_version  # type: ignore[attr-defined]
+            for r in read_where(store, worker.run_id or "", event_type="WeightsPublished")
+        ]
+        assert published == [1, 2, 3]
+    finally:
+        store.close()

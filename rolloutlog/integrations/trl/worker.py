@@ -254,6 +254,10 @@ class RolloutlogWorker:
         self._publishing: asyncio.Lock | None = None
         self._publishes_open = 0  # publishes started on the loop and not finished
         self._dispatch_held = False  # a checkpoint recorded steps whose publish is to come
+        self._generation_held = False  # hold_generation(): until the next publish
+        #: The weights reach the engine another way (NcclWeightTransfer): a publish tells
+        #: the backend the version and loads nothing.
+        self.weights_sent_elsewhere = False
         self._publishes: deque[concurrent.futures.Future[None]] = deque()
         # Checkpoints TRL saved whose rolloutlog file is not written yet.
         self._saves: deque[concurrent.futures.Future[RolloutlogCheckpoint]] = deque()
@@ -469,9 +473,9 @@ class RolloutlogWorker:
             if weights is not None and trl_version is not None and tag > trl_version:
                 return None
             self._pending_weights = None
-        if weights:
+        if weights and not self.weights_sent_elsewhere:
             return weights
-        if self.policy is not None:
+        if self.policy is not None and not self.weights_sent_elsewhere:
             return [(n, p.detach().to("cpu").clone()) for n, p in self.policy.named_parameters()]
         import torch
 
@@ -860,6 +864,35 @@ class RolloutlogWorker:
             if self._dispatch_held and not self._publishes_open:
                 self._dispatch_held = False
                 runtime.release_dispatch()
+            if self._generation_held and not self._publishes_open:
+                self._generation_held = False
+                runtime.release_dispatch()
+
+    def hold_generation(self) -> None:
+        """Stop dispatching and wait until no generation is in flight (deadline: the
+        generation config's ``drain_timeout_s``); dispatch resumes once the next publish
+        (``update_model_version``) is recorded. For a weight transfer that swaps the
+        engine's weights itself: every completion then comes from one weight version.
+        Does nothing before the worker serves (TRL's first weight sync)."""
+        if self._loop is None or not self._ready.is_set() or self._error is not None:
+            return
+        self._call(self._hold_generation())
+
+    async def _hold_generation(self) -> None:
+        runtime = self.runtime
+        assert runtime is not None
+        if not self._generation_held:
+            runtime.hold_dispatch()
+            self._generation_held = True
+        timeout = self.generation.drain_timeout_s
+        deadline = time.monotonic() + timeout
+        while runtime.generating:
+            if time.monotonic() > deadline:
+                raise WorkerFailedError(
+                    f"in-flight generation did not finish within drain_timeout_s={timeout} "
+                    "before a weight transfer"
+                )
+            await asyncio.sleep(0.01)
 
     def _ask_checkpoint(self) -> tuple[_Mark, asyncio.AbstractEventLoop]:
         """Queue a checkpoint after the steps TRL finished so far (none later)."""
