@@ -260,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
         torch.cuda.set_device(args.trainer_gpu)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         policy = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-        policy.to(f"cuda:{args.trainer_gpu}").eval()
+        policy.cuda(args.trainer_gpu).eval()
         params = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
         client = WeightTransferClient(
             VLLMClient(url, args.timeout_s),
