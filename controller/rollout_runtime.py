@@ -692,6 +692,28 @@ class RolloutRuntime:
             self._changed.set()
         return sum(1 for ev in events if ev.event_type == "GroupEvicted")
 
+    @property
+    def generating(self) -> int:
+        """Groups with a generation request in flight."""
+        return len(self._flights)
+
+    def hold_dispatch(self) -> None:
+        """Dispatch nothing until :meth:`release_dispatch` (calls nest).
+
+        For a caller that recorded a train step whose publish is still to come: work
+        dispatched meanwhile would be stamped with the outgoing weight version while
+        admission already runs ``lookahead`` steps past the new train step, so it would
+        be stale before it trains.
+        """
+        self._swapping += 1
+
+    def release_dispatch(self) -> None:
+        """End one :meth:`hold_dispatch`."""
+        if self._swapping <= 0:
+            raise RuntimeError("release_dispatch() without hold_dispatch()")
+        self._swapping -= 1
+        self._changed.set()
+
     async def publish_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int
     ) -> None:

@@ -554,6 +554,7 @@ def run_trl_benchmark(
     save_steps: int = 5,
     rounds: int = 3,
     generation_latency_s: float = 0.05,
+    in_flight_groups: int | None = None,
     model_dir: Path | None = None,
     worker_factory: WorkerFactory | None = None,
     timeout_s: float = 300.0,
@@ -562,7 +563,10 @@ def run_trl_benchmark(
     """Measure the worker under test against :class:`InMemoryRolloutWorker`; see the module doc.
 
     ``worker_factory`` defaults to rolloutlog's (:func:`rolloutlog_factory`) and, when
-    that does not exist yet, to the in-memory worker itself.
+    that does not exist yet, to the in-memory worker itself. ``in_flight_groups`` (default:
+    one step's groups, ``batch_size // num_generations``) bounds the groups each worker
+    generates at once (``context.extra["max_inflight_groups"]``), so that both keep the
+    same number in flight and the ratio compares their own costs.
     """
     try:
         import trl
@@ -573,6 +577,10 @@ def run_trl_benchmark(
 
     if steps < 1 or rounds < 1 or batch_size < 1 or num_generations < 1:
         raise ValueError("steps, rounds, batch_size and num_generations must be >= 1")
+    if in_flight_groups is None:
+        in_flight_groups = max(1, batch_size // num_generations)
+    if in_flight_groups < 1:
+        raise ValueError(f"in_flight_groups={in_flight_groups}: it must be >= 1")
     say = progress or (lambda _msg: None)
     under_test_name = "rolloutlog"
     if worker_factory is None:
@@ -602,6 +610,7 @@ def run_trl_benchmark(
                     reward_funcs=[answer_reward], num_generations=num_generations,
                     max_completion_length=max_completion_length, backend=backend,
                     generation_latency_s=generation_latency_s, config=config,
+                    extra={"max_inflight_groups": in_flight_groups},
                 )  # fmt: skip
                 res = _measure_round(
                     role, factory, context, steps=steps, batch_size=batch_size,
@@ -634,6 +643,7 @@ def run_trl_benchmark(
         "num_generations": num_generations,
         "max_completion_length": max_completion_length,
         "rounds": rounds,
+        "in_flight_groups": in_flight_groups,
         "samples_per_s_in_memory_worker": best_base.samples_per_s,
         "samples_per_s_worker_under_test": best_test.samples_per_s,
         "samples_per_s_vs_in_memory_worker": best_test.samples_per_s / best_base.samples_per_s,

@@ -34,6 +34,12 @@ from ._options import json_option, picked, shown
     type=click.FloatRange(min=0),
     help="Seconds per group request (deterministic backend): an engine's time.",
 )
+@shown(
+    "--in-flight-groups",
+    default=0,
+    type=click.IntRange(min=0),
+    help="Groups each worker generates at once (0: one step's, batch size / num generations).",
+)
 @json_option()
 def trl(
     backend: str,
@@ -44,6 +50,7 @@ def trl(
     save_steps: int,
     rounds: int,
     generation_latency_s: float,
+    in_flight_groups: int,
     as_json: bool,
 ) -> None:
     """rolloutlog's TRL rollout worker against a minimal in-memory worker, same backend.
@@ -66,6 +73,7 @@ def trl(
                 "backend", "steps", "batch_size", "num_generations", "max_completion_length",
                 "save_steps", "rounds", "generation_latency_s",
             ),
+            in_flight_groups=in_flight_groups or None,
             progress=progress,
         )  # fmt: skip
     except (ValueError, TrlBenchError) as exc:

@@ -826,3 +826,175 @@ def test_tools_and_environment_factory_reach_trl_masked_and_resume_reuses_tools(
     for e in trainer2.examples:
         n = len(e["input_ids"])
         assert 0 < int(e["completion_mask"].sum()) < n
+
+
+def test_checkpoint_does_not_wait_for_the_publish_in_flight(tokenizer: Any, tmp_path: Path) -> None:
+    """``wait_for_publish=False`` with slow generation: each weight sync's publish runs on
+    the worker's loop and waits for in-flight generation to drain. The save does not wait
+    for it: the checkpoint records the steps TRL trained (and no later ones), and at its
+    offset the log has not recorded the last step's publish yet. A resume from it is
+    lossless and republishes the checkpoint's weight version before generating."""
+    args = _args(tmp_path)
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    worker = _worker(tokenizer, url, args, latency=0.3, wait_for_publish=False)
+    trainer = FakeTrainer(worker, args, tokenizer)
+    trainer.begin()
+    try:
+        for _ in range(3):
+            trainer.step()
+        folder = trainer.save()
+        trainer.step()  # trained after the checkpoint: not part of it
+        trainer.step()
+    finally:
+        worker.stop()  # waits for the publishes and the checkpoint's file
+    ckpt = read_checkpoint(folder)
+    assert (ckpt.train_step, ckpt.weight_version, ckpt.trl_global_step) == (3, 3, 3)
+    assert ckpt.trl_model_version == 4  # TRL's numbering: the cold sync was version 1
+    run_id = worker.run_id or ""
+    store = EventStore.open(url)
+    try:
+        at_ckpt = state_at(store, run_id, ckpt.offset)
+        assert (at_ckpt.train_step, at_ckpt.weight_version) == (3, 3)
+        assert at_ckpt.published_version < 3  # the publish was still draining
+        published = [
+            CODEC.decode(r).weight_version  # type: ignore[attr-defined]
+            for r in read_where(store, run_id, event_type="WeightsPublished")
+        ]
+        # Coalesced publishes skip versions, but they are recorded in order, up to the
+        # last step trained.
+        assert published == sorted(set(published)) and published[-1] == 5
+    finally:
+        store.close()
+    assert not trainer.metrics.get("sample/dropped_stale_total")
+
+    resumed = _worker(tokenizer, url, args, latency=0.02, wait_for_publish=False)
+    trainer2 = FakeTrainer(resumed, args, tokenizer, global_step=3)
+    trainer2.begin()
+    try:
+        assert resumed.backend.weight_version == 3  # the checkpoint's weights, republished
+        for _ in range(4):
+            trainer2.step()
+    finally:
+        resumed.stop()
+    assert not trainer2.metrics.get("sample/dropped_stale_total")
+    store = EventStore.open(url)
+    try:
+        ledger = build_ledger(store, run_id)
+        check = cross_check(ledger, state_at(store, run_id, None))
+        assert check.prompts_lost == 0
+        assert check.prompts_trained_twice == 0
+        assert check.prompts_trained == 7 * 2
+        republished = [
+            CODEC.decode(r).weight_version  # type: ignore[attr-defined]
+            for r in read_where(store, run_id, event_type="WeightsPublished")
+            if r.epoch == 2
+        ]
+        assert republished[0] == 3
+    finally:
+        store.close()
+
+
+class _ElsewhereLoaded(DeterministicBackend):
+    """A backend whose weights arrive another way (as nccl_vllm_backend's): a publish
+    tells it the version. Counts what it saw in flight when the version changed."""
+
+    loads_weights_elsewhere = True
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.in_flight_at_swap: list[int] = []
+
+    async def update_weights(self, named_tensors: Any, version: int) -> None:
+        names = [n for n, _ in named_tensors]
+        assert names == ["rolloutlog.weight_version_marker"]  # no weights through here
+        self.in_flight_at_swap.append(len(self._inflight))
+        self._weight_version = version
+
+
+class _FakeNcclClient:
+    """TRL's WeightTransferClient's calls, recorded (the NCCL side needs GPUs)."""
+
+    def __init__(self, worker: RolloutlogWorker) -> None:
+        self.worker = worker
+        self.calls: list[str] = []
+        self.generating_at_send: list[int] = []
+
+    def init_weight_transfer(self) -> None:
+        self.calls.append("init")
+
+    def pause(self) -> None:
+        self.calls.append("pause")
+
+    def send_weights(self, iterator: Any) -> None:
+        runtime = self.worker.runtime
+        self.generating_at_send.append(-1 if runtime is None else runtime.generating)
+        self.calls.append(f"send {sum(1 for _ in iterator)}")
+
+    def resume(self) -> None:
+        self.calls.append("resume")
+
+    def destroy(self) -> None:
+        self.calls.append("destroy")
+
+
+def test_nccl_transfer_drains_generation_and_records_the_version(
+    tokenizer: Any, tmp_path: Path
+) -> None:
+    """NcclWeightTransfer on the CPU (TRL's client faked): ``pause`` drains the worker's
+    generation before the weights are sent (no completion mixes two versions), the
+    backend is told each version without being sent weights, and the log records every
+    publish; a backend that loads weights itself is refused with one line."""
+    from rolloutlog.integrations.trl import NcclWeightTransfer
+
+    args = _args(tmp_path)
+    url = f"sqlite:///{tmp_path / 'log.db'}"
+    with pytest.raises(TrlConfigError, match="needs the worker's backend from nccl_vllm_backend"):
+        NcclWeightTransfer(_worker(tokenizer, url, args), _FakeNcclClient(None))  # type: ignore[arg-type]
+    backend = _ElsewhereLoaded(
+        vocab_size=len(tokenizer), max_model_len=128, eos_token_id=tokenizer.eos_token_id,
+        latency=0.05,
+    )  # fmt: skip
+    worker = RolloutlogWorker(
+        store=url,
+        train_dataset=_dataset(),
+        processing_class=tokenizer,
+        reward_funcs=[length_reward],
+        backend=backend,
+        args=args,
+        timeout_s=60,
+    )
+    client = _FakeNcclClient(worker)
+    transfer = NcclWeightTransfer(worker, client)
+    trainer = FakeTrainer(worker, args, tokenizer)
+    transfer.init_weight_transfer()
+    trainer.begin()
+    try:
+        for _ in range(3):  # FakeTrainer.step with TRL's weight sync through the transfer
+            for _ in range(args.gradient_accumulation_steps):
+                _batch, gids = next(trainer._batches)
+                trainer.trained_groups.extend(dict.fromkeys(gids))
+            trainer.state.global_step += 1
+            worker.callback.on_step_end(args, trainer.state, trainer.control)
+            transfer.pause()
+            transfer.send_weights(iter([("w", np.zeros(2))]))
+            transfer.resume()
+            trainer._sync()
+        assert worker.controller is not None
+        assert worker.controller.state.published_version == 3
+        assert backend.weight_version == 3
+    finally:
+        worker.stop()
+        transfer.destroy()
+    assert client.calls == ["init"] + ["pause", "send 1", "resume"] * 3 + ["destroy"]
+    assert client.generating_at_send == [0, 0, 0]  # drained before every transfer
+    assert backend.in_flight_at_swap == [0, 0, 0]
+    assert not trainer.metrics.get("sample/dropped_stale_total")
+    store = EventStore.open(url)
+    try:
+        published = [
+            CODEC.decode(r).weight_version  # type: ignore[attr-defined]
+            for r in read_where(store, worker.run_id or "", event_type="WeightsPublished")
+        ]
+        assert published == [1, 2, 3]
+    finally:
+        store.close()

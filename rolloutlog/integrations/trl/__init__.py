@@ -23,7 +23,12 @@ from .errors import (
 )
 from .factory import STORE_FILE, bench_worker_factory, store_url
 from .prompts import TrlPrompts
-from .weights import NoOpWeightTransfer, RolloutlogWeightTransfer
+from .weights import (
+    NcclWeightTransfer,
+    NoOpWeightTransfer,
+    RolloutlogWeightTransfer,
+    nccl_vllm_backend,
+)
 from .worker import RolloutlogWorker
 
 __all__ = [
@@ -31,6 +36,7 @@ __all__ = [
     "STORE_FILE",
     "CheckpointStateMissingError",
     "LogMismatchError",
+    "NcclWeightTransfer",
     "NoOpWeightTransfer",
     "RolloutlogCallback",
     "RolloutlogCheckpoint",
@@ -42,6 +48,7 @@ __all__ = [
     "UnsupportedTrlFeatureError",
     "WorkerFailedError",
     "bench_worker_factory",
+    "nccl_vllm_backend",
     "read_checkpoint",
     "store_url",
 ]

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback
 
-from .checkpoint import RolloutlogCheckpoint, write_checkpoint
 from .errors import TrlConfigError
 
 if TYPE_CHECKING:
@@ -100,19 +99,8 @@ class RolloutlogCallback(TrainerCallback):  # type: ignore[misc]
         self.step_ms.append((time.perf_counter() - started) * 1e3)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        worker = self.worker
-        offset, step, version = worker.checkpoint()
-        assert worker.run_id is not None
+        # Returns at once: the worker writes rolloutlog_state.json into the folder once
+        # the log's checkpoint is durable (RolloutlogWorker.save_checkpoint); its stop(),
+        # which TRL calls when training ends, waits for that.
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        write_checkpoint(
-            folder,
-            RolloutlogCheckpoint(
-                run_id=worker.run_id,
-                offset=offset,
-                train_step=step,
-                weight_version=version,
-                trl_global_step=int(state.global_step),
-                trl_model_version=worker._trl_version,
-                dataset_fingerprint=worker.prompts.fingerprint,
-            ),
-        )
+        self.worker.save_checkpoint(folder, int(state.global_step))

@@ -31,11 +31,14 @@ def bench_worker_factory(context: WorkerContext) -> WorkerParts:
     The log lives in ``context.output_dir`` (the trainer's ``output_dir``), so a resumed
     run in the same folder finds it; the callback restores the worker from
     ``checkpoint-N/rolloutlog_state.json`` when the trainer resumes. ``context.extra``
-    may set ``store`` (a log URL), ``lookahead``, ``passes``, ``timeout_s`` and
-    ``wait_for_publish`` (default ``False``: publishes run off the trainer's step).
+    may set ``store`` (a log URL), ``lookahead``, ``passes``, ``timeout_s``,
+    ``wait_for_publish`` (default ``False``: publishes run off the trainer's step) and
+    ``max_inflight_groups`` (the groups generating at once, as the in-memory worker's
+    option of that name; default: the runtime's sibling bound).
     """
     from rolloutlog.bench.trl_bench import WorkerParts
     from rolloutlog.controller.backends import make_backend
+    from rolloutlog.controller.rollout_runtime import GenerationConfig
 
     extra: dict[str, Any] = dict(context.extra)
     if context.backend == "deterministic":
@@ -49,6 +52,12 @@ def bench_worker_factory(context: WorkerContext) -> WorkerParts:
         )
     else:
         backend = context.make_backend()
+    generation = None
+    if extra.get("max_inflight_groups"):
+        generation = GenerationConfig(
+            max_tokens=context.max_completion_length,
+            max_in_flight_siblings=int(extra["max_inflight_groups"]) * context.num_generations,
+        )
     worker = RolloutlogWorker(
         store=str(extra.get("store") or store_url(context.output_dir)),
         train_dataset=context.dataset,
@@ -58,6 +67,7 @@ def bench_worker_factory(context: WorkerContext) -> WorkerParts:
         args=context.config,
         num_generations=context.num_generations,
         lookahead=extra.get("lookahead"),
+        generation=generation,
         passes=int(extra.get("passes", 1000)),
         timeout_s=float(extra.get("timeout_s", 120.0)),
         wait_for_publish=bool(extra.get("wait_for_publish", False)),

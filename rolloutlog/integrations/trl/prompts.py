@@ -63,8 +63,20 @@ class _Rows:
         self._lock = threading.Lock()
 
     def __getitem__(self, index: int) -> dict[str, Any]:
+        """Row ``index`` (shared with other callers: read it, do not change it)."""
         if not self.streaming:
-            return dict(self.dataset[int(index)])
+            # An Arrow row read costs far more than the reward that needs it, and a
+            # group's rows are read once per sibling: recent rows are kept.
+            with self._lock:
+                row = self._window.get(index)
+                if row is not None:
+                    return row
+            row = dict(self.dataset[int(index)])
+            with self._lock:
+                self._window[index] = row
+                while len(self._window) > self._window_size:
+                    self._window.popitem(last=False)
+            return row
         with self._lock:
             row = self._window.get(index)
             if row is not None:
@@ -220,7 +232,7 @@ class TrlPrompts:
         prompt = self.rows[index]["prompt"]
         if isinstance(prompt, str):
             return [{"role": "user", "content": prompt}]
-        return list(prompt)
+        return [dict(m) for m in prompt]  # the row is shared: TRL gets its own messages
 
     def completion_messages(self, ids: Sequence[int]) -> list[dict[str, Any]]:
         """A completion as TRL's ``RolloutSample.completion`` (messages)."""

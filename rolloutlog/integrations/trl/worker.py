@@ -29,6 +29,7 @@ import contextlib
 import logging
 import math
 import multiprocessing.queues
+import os
 import queue
 import threading
 import time
@@ -36,13 +37,14 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 
 from rolloutlog.controller.backends.base import GenerationBackend
 from rolloutlog.controller.config import RolloutConfig, StoreConfig
-from rolloutlog.controller.domain import SelectBatch
+from rolloutlog.controller.domain import MarkCheckpoint, SelectBatch
 from rolloutlog.controller.domain.admission import data_exhausted
 from rolloutlog.controller.domain.errors import RestoreError
 from rolloutlog.controller.domain.state import GroupState, Phase, SiblingStatus
@@ -52,7 +54,7 @@ from rolloutlog.controller.rollout_controller import RecoveryReport, RolloutCont
 from rolloutlog.controller.rollout_runtime import GenerationConfig, RolloutRuntime
 from rolloutlog.eventstore import EventStore, EventStoreProtocol, decode_arrays
 
-from .checkpoint import RolloutlogCheckpoint, read_checkpoint
+from .checkpoint import RolloutlogCheckpoint, read_checkpoint, write_checkpoint
 from .errors import LogMismatchError, TrlConfigError, UnsupportedTrlFeatureError, WorkerFailedError
 from .prompts import RewardFunc, TrlPrompts
 
@@ -67,6 +69,14 @@ class _Handed:
     step: int
     group_ids: tuple[int, ...]
     untrained: dict[int, int] = field(default_factory=dict)  # group id -> samples left
+
+
+@dataclass
+class _Mark:
+    """A checkpoint TRL asked for, in order with the trained steps to record: marked in
+    the log after the steps before it, whoever records them (a publish or the save)."""
+
+    marked: tuple[int, int, int] | None = None  # (offset, train step, weight version)
 
 
 def _trl_sample_class() -> Any:
@@ -314,9 +324,21 @@ class RolloutlogWorker:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._lock = threading.Lock()
-        # Commands on the loop (publish, checkpoint) run one at a time, in call order.
+        # On the loop: a command's log writes (a publish's record, a checkpoint) run one at
+        # a time, in call order; publishes run one at a time, in call order, and hold the
+        # command lock only until their weight swap has begun, so a checkpoint waits for
+        # no generation to drain.
         self._commands: asyncio.Lock | None = None
+        self._publishing: asyncio.Lock | None = None
+        self._publishes_open = 0  # publishes started on the loop and not finished
+        self._dispatch_held = False  # a checkpoint recorded steps whose publish is to come
+        self._generation_held = False  # hold_generation(): until the next publish
+        #: The weights reach the engine another way (NcclWeightTransfer): a publish tells
+        #: the backend the version and loads nothing.
+        self.weights_sent_elsewhere = False
         self._publishes: deque[concurrent.futures.Future[None]] = deque()
+        # Checkpoints TRL saved whose rolloutlog file is not written yet.
+        self._saves: deque[concurrent.futures.Future[RolloutlogCheckpoint]] = deque()
         # Versions: TRL's model_version = the log's weight version + offset.
         self._trl_version: int | None = None
         self._version_offset = 0
@@ -327,7 +349,8 @@ class RolloutlogWorker:
         # Hand-off
         self._next_step = 0
         self._handed: deque[_Handed] = deque()
-        self._to_record: list[_Handed] = []
+        # Steps TRL finished and checkpoints it asked for, in call order, to be recorded.
+        self._to_record: list[_Handed | _Mark] = []
         self._held_since: float | None = None
         self._held: tuple[int, int] | None = None  # (step, groups held back)
         self._doomed_checked: tuple[int, int, int] | None = None
@@ -367,13 +390,19 @@ class RolloutlogWorker:
 
     def stop(self) -> None:
         """Stop the pump (in-flight attempts recorded as aborted), flush the log, close the
-        backend and the store; the worker's threads are gone when this returns."""
+        backend and the store; the worker's threads are gone when this returns. Waits for
+        the checkpoints' files first, and raises (after stopping) if one failed."""
         thread = self._thread
         if thread is None:
             return
-        # The publishes TRL asked for are recorded before the loop ends.
+        # The publishes and checkpoints TRL asked for are in the log before the loop ends.
         with contextlib.suppress(WorkerFailedError):
             self._wait_publishes()
+        save_error: WorkerFailedError | None = None
+        try:
+            self.wait_saves()
+        except WorkerFailedError as exc:  # raised once the worker has stopped
+            save_error = exc
         self._stopping.set()
         loop = self._loop
         if loop is not None and self._wake is not None:
@@ -385,6 +414,8 @@ class RolloutlogWorker:
         self._thread = None
         if self._error is not None and not isinstance(self._error, asyncio.CancelledError):
             log.warning("the rolloutlog worker had stopped with an error: %s", self._error)
+        if save_error is not None:  # a TRL checkpoint lacks its rolloutlog file
+            raise save_error
 
     def update_model_version(self, model_version: int) -> None:
         """TRL published ``model_version``: record the publish in the log (and load the
@@ -392,9 +423,9 @@ class RolloutlogWorker:
         self._trl_version = int(model_version)
         if self._loop is None or not self._ready.is_set() or self._error is not None:
             return
-        self._raise_failed_publish()
+        self._raise_failed_commands()
         if self.wait_for_publish:
-            self._call(self._serial(self._publish(int(model_version))))
+            self._call(self._publish(int(model_version)))
             return
         if self.policy is not None:
             with self._lock:
@@ -410,20 +441,36 @@ class RolloutlogWorker:
             if self._publish_queued:  # that publish, not started yet, takes this version
                 return
             self._publish_queued = True
-        future = asyncio.run_coroutine_threadsafe(self._serial(self._publish(None)), loop)
+        future = asyncio.run_coroutine_threadsafe(self._publish(None), loop)
         with self._lock:
             self._publishes.append(future)
 
-    def _raise_failed_publish(self) -> None:
-        """Forget the publishes that are done; raise if one failed."""
+    def _raise_failed_commands(self) -> None:
+        """Forget the publishes and checkpoints that are done; raise if one failed."""
         with self._lock:
-            while self._publishes and self._publishes[0].done():
-                future = self._publishes.popleft()
-                error = None if future.cancelled() else future.exception()
-                if error is not None:
-                    raise WorkerFailedError(
-                        f"the rolloutlog worker failed to publish weights: {error}"
-                    ) from error
+            for futures, what in (
+                (self._publishes, "publish weights"),
+                (self._saves, "write a checkpoint"),
+            ):
+                while futures and futures[0].done():
+                    future = futures.popleft()
+                    error = None if future.cancelled() else future.exception()
+                    if error is not None:
+                        raise WorkerFailedError(
+                            f"the rolloutlog worker failed to {what}: {error}"
+                        ) from error
+
+    def wait_saves(self) -> None:
+        """Wait (at most ``timeout_s`` each) until the checkpoints asked for are written;
+        raise if one failed."""
+        with self._lock:
+            pending = list(self._saves)
+        _done, not_done = concurrent.futures.wait(pending, self.timeout_s)
+        if not_done:
+            raise WorkerFailedError(
+                f"{len(not_done)} checkpoint(s) were not written within {self.timeout_s}s"
+            )
+        self._raise_failed_commands()
 
     def _wait_publishes(self) -> None:
         """Wait (at most ``timeout_s`` each) for the publishes in flight; raise if one failed."""
@@ -434,7 +481,7 @@ class RolloutlogWorker:
             raise WorkerFailedError(
                 f"{len(not_done)} weight publish(es) did not finish within {self.timeout_s}s"
             )
-        self._raise_failed_publish()
+        self._raise_failed_commands()
 
     def check_health(self, stale_after_s: float) -> None:
         """Raise if the worker failed, or cannot feed the trainer (named in the message)."""
@@ -442,7 +489,7 @@ class RolloutlogWorker:
             raise WorkerFailedError(
                 f"the rolloutlog worker stopped: {self._error}"
             ) from self._error
-        self._raise_failed_publish()
+        self._raise_failed_commands()
         if self._exhausted is not None and self.rollout_buffer.empty():
             raise WorkerFailedError(self._exhausted)
         thread = self._thread
@@ -511,9 +558,9 @@ class RolloutlogWorker:
             if weights is not None and trl_version is not None and tag > trl_version:
                 return None
             self._pending_weights = None
-        if weights:
+        if weights and not self.weights_sent_elsewhere:
             return weights
-        if self.policy is not None:
+        if self.policy is not None and not self.weights_sent_elsewhere:
             return [(n, p.detach().to("cpu").clone()) for n, p in self.policy.named_parameters()]
         import torch
 
@@ -562,6 +609,7 @@ class RolloutlogWorker:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._commands = asyncio.Lock()
+        self._publishing = asyncio.Lock()
         own_store = isinstance(self.store_spec, str)
         store = (
             EventStore.open(self.store_spec)
@@ -694,7 +742,18 @@ class RolloutlogWorker:
         self._held = None
         self._held_since = None
         masks = self._loss_masks(again)  # on the loop: the book is the loop's
-        samples = await asyncio.to_thread(self._build_samples, runtime, controller, again, masks)
+        cache: dict[int, dict[str, bytes]] = getattr(runtime, "_payload_cache", {})
+        if all(
+            s.payload_id in cache.get(g.group_id, ())
+            for g in again
+            for s in g.siblings
+            if s.status is SiblingStatus.DONE
+        ):  # in memory: cheaper here than a hop to a thread and back
+            samples = self._build_samples(runtime, controller, again, masks)
+        else:  # database reads (after a restore) stay off the loop
+            samples = await asyncio.to_thread(
+                self._build_samples, runtime, controller, again, masks
+            )
         counts: dict[int, int] = {}
         for sample in samples:
             counts[sample.group_id] = counts.get(sample.group_id, 0) + 1
@@ -858,14 +917,22 @@ class RolloutlogWorker:
             self._to_record.extend(done)
         return len(done)
 
-    async def _record(self) -> None:
-        """Select and record as trained the steps TRL has trained (in order)."""
+    async def _record(self) -> int:
+        """Select and record as trained the steps TRL has trained, and mark the
+        checkpoints it asked for between them, in call order; returns how many steps.
+        No await suspends it: nothing is dispatched in between."""
         controller, runtime = self.controller, self.runtime
         assert controller is not None and runtime is not None
         with self._lock:
             done, self._to_record = self._to_record, []
         state = controller.state
+        steps = 0
         for handed in done:
+            if isinstance(handed, _Mark):
+                step = state.train_step
+                applied = controller.execute(MarkCheckpoint(train_step=step))
+                handed.marked = (applied[-1][0], step, state.weight_version)
+                continue
             s = handed.step
             while s not in state.batches:
                 applied = controller.execute(SelectBatch(s))
@@ -886,47 +953,165 @@ class RolloutlogWorker:
                 )
             await runtime.report_trained(s, state.weight_version + 1)
             self.steps_recorded += 1
+            steps += 1
         if self._wake is not None:
             self._wake.set()
+        return steps
 
     async def _publish(self, trl_version: int | None) -> None:
         """Record the trained steps and publish ``trl_version`` (``None``: the newest TRL
-        announced, the publishes queued behind a slow one coalesced into one)."""
-        controller, runtime = self.controller, self.runtime
-        assert controller is not None and runtime is not None
-        if trl_version is None:
-            with self._lock:
-                self._publish_queued = False
-                trl_version = self._trl_version
-            assert trl_version is not None
-        await self._record()  # no await inside before publish_weights stops dispatch
-        state = controller.state
-        version = min(trl_version - self._version_offset, state.weight_version)
-        if version <= state.published_version:
-            return
-        weights = self._take_weights(trl_version)
-        if weights is not None:
-            await runtime.publish_weights(weights, version)
+        announced, the publishes queued behind a slow one coalesced into one).
 
-    async def _checkpoint(self) -> tuple[int, int, int]:
+        The record and the start of the weight swap happen without a suspension between
+        them (``publish_weights`` stops dispatch before its first await), so nothing is
+        dispatched at the old version once the new train step is recorded. The command
+        lock is released then: a checkpoint does not wait for the swap, which waits for
+        in-flight generation to drain.
+        """
         controller, runtime = self.controller, self.runtime
         assert controller is not None and runtime is not None
-        await self._record()
-        step = controller.state.train_step
-        offset = await runtime.checkpoint(step)
-        return offset, step, controller.state.weight_version
+        assert self._publishing is not None and self._commands is not None
+        self._publishes_open += 1
+        try:
+            async with self._publishing:
+                async with self._commands:
+                    if trl_version is None:
+                        with self._lock:
+                            self._publish_queued = False
+                            trl_version = self._trl_version
+                        assert trl_version is not None
+                    await self._record()
+                    state = controller.state
+                    version = min(trl_version - self._version_offset, state.weight_version)
+                    if version <= state.published_version:
+                        return
+                    weights = self._take_weights(trl_version)
+                    if weights is None:
+                        return
+                # Released without a suspension: publish_weights holds dispatch first.
+                await runtime.publish_weights(weights, version)
+        finally:
+            self._publishes_open -= 1
+            if self._dispatch_held and not self._publishes_open:
+                self._dispatch_held = False
+                runtime.release_dispatch()
+            if self._generation_held and not self._publishes_open:
+                self._generation_held = False
+                runtime.release_dispatch()
+
+    def hold_generation(self) -> None:
+        """Stop dispatching and wait until no generation is in flight (deadline: the
+        generation config's ``drain_timeout_s``); dispatch resumes once the next publish
+        (``update_model_version``) is recorded. For a weight transfer that swaps the
+        engine's weights itself: every completion then comes from one weight version.
+        Does nothing before the worker serves (TRL's first weight sync)."""
+        if self._loop is None or not self._ready.is_set() or self._error is not None:
+            return
+        self._call(self._hold_generation())
+
+    async def _hold_generation(self) -> None:
+        runtime = self.runtime
+        assert runtime is not None
+        if not self._generation_held:
+            runtime.hold_dispatch()
+            self._generation_held = True
+        timeout = self.generation.drain_timeout_s
+        deadline = time.monotonic() + timeout
+        while runtime.generating:
+            if time.monotonic() > deadline:
+                raise WorkerFailedError(
+                    f"in-flight generation did not finish within drain_timeout_s={timeout} "
+                    "before a weight transfer"
+                )
+            await asyncio.sleep(0.01)
+
+    def _ask_checkpoint(self) -> tuple[_Mark, asyncio.AbstractEventLoop]:
+        """Queue a checkpoint after the steps TRL finished so far (none later)."""
+        self._raise_failed_commands()
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None or not thread.is_alive():
+            raise WorkerFailedError(
+                "the rolloutlog worker is not running"
+                + (f": {self._error}" if self._error is not None else "")
+            )
+        mark = _Mark()
+        with self._lock:
+            self._to_record.append(mark)
+        return mark, loop
+
+    async def _checkpoint(self, mark: _Mark) -> tuple[int, int, int]:
+        """Mark ``mark`` (unless a publish's record did already) and make it durable,
+        without waiting for a publish in flight.
+
+        The checkpoint needs every step TRL trained before it recorded at or before its
+        offset and none after (a resume must not hand a trained group again, nor skip
+        one), and the weight version it names is the one those steps produced, i.e. the
+        trainer's weights saved with it. Whether their publish is in the log before the
+        offset does not matter: a resumed worker loads the trainer's weights and records
+        the publish the log lacks (``RolloutRuntime.sync_weights``). When this records
+        steps whose publish is still queued, dispatch is held until that publish is
+        done, as the publish's own record would have.
+        """
+        controller, runtime = self.controller, self.runtime
+        assert controller is not None and runtime is not None and self._commands is not None
+        started = time.perf_counter()
+        async with self._commands:
+            recorded = await self._record()
+            if recorded and self._publishes_open and not self._dispatch_held:
+                runtime.hold_dispatch()
+                self._dispatch_held = True
+        if mark.marked is None:  # a record before this one failed part-way
+            raise WorkerFailedError("the checkpoint was not marked: recording the steps failed")
+        await controller.aflush()
+        runtime.checkpoint_seconds.append(time.perf_counter() - started)
+        return mark.marked
 
     def checkpoint(self) -> tuple[int, int, int]:
         """Mark a checkpoint in the log (durable): ``(offset, train step, weight version)``,
-        after the publishes asked for before it."""
-        self._raise_failed_publish()
-        return self._call(self._serial(self._checkpoint()))
+        after every step TRL finished before this call; a weight publish still draining
+        is not waited for."""
+        mark, _loop = self._ask_checkpoint()
+        return self._call(self._checkpoint(mark))
 
-    async def _serial(self, coro: Coroutine[Any, Any, T]) -> T:
-        """``coro`` once the commands before it have finished (FIFO)."""
-        assert self._commands is not None
-        async with self._commands:
-            return await coro
+    def save_checkpoint(
+        self, folder: str | os.PathLike[str], trl_global_step: int
+    ) -> concurrent.futures.Future[RolloutlogCheckpoint]:
+        """Checkpoint the log for TRL's checkpoint ``folder``; returns at once.
+
+        The checkpoint is marked after the steps TRL finished before this call (and
+        before any it finishes later) and, once it is durable, its
+        ``rolloutlog_state.json`` is written into ``folder`` (atomically) on the
+        worker's thread, so a folder never names an offset the log may lack. A crash
+        before that leaves the folder without the file, which a resume refuses with one
+        line (an earlier checkpoint still resumes). :meth:`wait_saves` and :meth:`stop`
+        (TRL's trainer calls it when training ends) wait for the writes; a failure
+        surfaces there or at the next ``update_model_version``, ``check_health`` or save.
+        """
+        mark, loop = self._ask_checkpoint()
+        with self._lock:
+            trl_version = self._trl_version
+        coro = self._save(mark, Path(folder), int(trl_global_step), trl_version)
+        future = asyncio.run_coroutine_threadsafe(coro, loop)
+        with self._lock:
+            self._saves.append(future)
+        return future
+
+    async def _save(
+        self, mark: _Mark, folder: Path, trl_global_step: int, trl_version: int | None
+    ) -> RolloutlogCheckpoint:
+        offset, step, version = await self._checkpoint(mark)
+        assert self.run_id is not None
+        ckpt = RolloutlogCheckpoint(
+            run_id=self.run_id,
+            offset=offset,
+            train_step=step,
+            weight_version=version,
+            trl_global_step=trl_global_step,
+            trl_model_version=trl_version,
+            dataset_fingerprint=self.prompts.fingerprint,
+        )
+        await asyncio.to_thread(write_checkpoint, folder, ckpt)
+        return ckpt
 
     def trained_groups(self) -> int:
         """Groups trained: those the log records (survives a resume) and those of the
@@ -934,7 +1119,7 @@ class RolloutlogWorker:
         controller = self.controller
         recorded = 0 if controller is None else controller.state.counters.groups_trained
         with self._lock:
-            pending = sum(len(h.group_ids) for h in self._to_record)
+            pending = sum(len(h.group_ids) for h in self._to_record if isinstance(h, _Handed))
         return recorded + pending
 
     def data_exhausted(self) -> bool:
