@@ -25,7 +25,7 @@ import inspect
 import json
 import logging
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -150,11 +150,35 @@ def tool_of(name: str, fn: Callable[..., Any], status: StatusCheck | None = None
 
 @runtime_checkable
 class StepEnvironment(Protocol):
-    """An environment that answers a model output with an observation, reward and done."""
+    """An environment that answers a model output with an observation, reward and done
+    (``step`` may also be ``async``)."""
 
     def step(self, text: str) -> tuple[str | None, float | None, bool]:
         """The environment's answer to the model output ``text``."""
         ...
+
+
+#: How a session runs one call of its environment (``reset``, ``step``, ``get_reward``,
+#: ``close``): ``(what, call, is_async)`` to the call's result, awaited. The trajectory
+#: backend's runner puts a deadline on it (``environment_timeout_s``).
+EnvironmentRunner = Callable[[str, Callable[[], Any], bool], Awaitable[Any]]
+
+
+class EnvironmentCallError(Exception):
+    """A call of the environment raised, or did not answer by its deadline; the message
+    says which call and why (for the sibling attempt's recorded failure)."""
+
+
+async def run_directly(what: str, call: Callable[[], Any], is_async: bool) -> Any:
+    """The default runner: no deadline (a synchronous call runs on the event loop); an
+    error of the call is an :class:`EnvironmentCallError`."""
+    try:
+        out = call()
+        return await out if inspect.isawaitable(out) else out
+    except Exception as exc:
+        raise EnvironmentCallError(
+            f"the environment's {what} raised {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 _NOT_TOOLS = frozenset({"reset", "get_reward", "step", "tool_status", "close"})
@@ -169,10 +193,19 @@ class EnvironmentSession:
     if defined, is the status check of every method tool (which then receives
     ``idempotency_key=``); a method may carry its own (:func:`with_status`). ``close()``,
     if defined, is called (and awaited if async) when the trajectory's attempt ends.
+    ``reset``, ``step`` and ``get_reward`` may be ``async`` too. Each call of the
+    environment goes through ``runner`` (the trajectory backend's puts a deadline on it);
+    one that fails raises :class:`EnvironmentCallError`.
     """
 
-    def __init__(self, env: object | None = None, tools: Sequence[Tool] = ()) -> None:
+    def __init__(
+        self,
+        env: object | None = None,
+        tools: Sequence[Tool] = (),
+        runner: EnvironmentRunner = run_directly,
+    ) -> None:
         self.env = env
+        self.runner = runner
         self.tools: dict[str, Tool] = {}
         if env is not None:
             status = getattr(env, "tool_status", None)
@@ -188,12 +221,16 @@ class EnvironmentSession:
                 raise ValueError(f"tool {tool.name!r} is defined twice")
             self.tools[tool.name] = tool
 
-    def reset(self, **kwargs: Any) -> str | None:
+    async def _call(self, what: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        is_async = inspect.iscoroutinefunction(method)
+        return await self.runner(what, lambda: method(*args, **kwargs), is_async)
+
+    async def reset(self, **kwargs: Any) -> str | None:
         """The environment's first observation (None without an environment)."""
         reset = getattr(self.env, "reset", None)
         if reset is None:
             return None
-        out = reset(**kwargs)
+        out = await self._call("reset", reset, **kwargs)
         return None if out is None else str(out)
 
     @property
@@ -201,33 +238,47 @@ class EnvironmentSession:
         """Whether the environment answers a model output that calls no tool."""
         return isinstance(self.env, StepEnvironment)
 
-    def step(self, text: str) -> tuple[str | None, float | None, bool]:
-        """The environment's answer to ``text`` (see :class:`StepEnvironment`)."""
+    async def step(self, text: str, what: str = "step") -> tuple[str | None, float | None, bool]:
+        """The environment's answer to ``text`` (see :class:`StepEnvironment`); ``what``
+        names the call in an error (which turn's step)."""
         assert isinstance(self.env, StepEnvironment)
-        observation, reward, done = self.env.step(text)
-        return (
-            None if observation is None else str(observation),
-            None if reward is None else float(reward),
-            bool(done),
-        )
+        out = await self._call(what, self.env.step, text)
+        try:
+            observation, reward, done = out
+            return (
+                None if observation is None else str(observation),
+                None if reward is None else float(reward),
+                bool(done),
+            )
+        except (TypeError, ValueError) as exc:
+            raise EnvironmentCallError(
+                f"the environment's {what} returned {out!r}, not (observation, reward, done)"
+            ) from exc
 
-    def reward(self) -> float | None:
+    async def reward(self) -> float | None:
         """``get_reward()`` of the environment, when it has one."""
         get = getattr(self.env, "get_reward", None)
-        return None if get is None else float(get())
+        if get is None:
+            return None
+        out = await self._call("get_reward", get)
+        try:
+            return float(out)
+        except (TypeError, ValueError) as exc:
+            raise EnvironmentCallError(
+                f"the environment's get_reward returned {out!r}, not a number"
+            ) from exc
 
     async def close(self) -> None:
         """The environment's ``close()``, when it has one: the attempt has ended. Its
-        failure is logged, never raised: the trajectory's turns are already durable."""
+        failure (an error, or no answer by the runner's deadline) is logged, never
+        raised: the trajectory's turns are already durable."""
         close = getattr(self.env, "close", None)
         if close is None:
             return
         try:
-            out = close()
-            if inspect.isawaitable(out):
-                await out
-        except Exception:
-            log.warning("closing the environment %r failed", self.env, exc_info=True)
+            await self._call("close", close)
+        except EnvironmentCallError as exc:
+            log.warning("closing the environment %r failed: %s", self.env, exc)
 
 
 def _bind_status(status: Callable[[str, str], Any], name: str) -> StatusCheck:

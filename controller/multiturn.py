@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import logging
 import threading
@@ -79,7 +80,14 @@ from .domain.trajectory import (
     decide_staleness,
     evolve_trajectory,
 )
-from .environments import EnvironmentSession, Tokenizer, Tool, ToolCall, parse_tool_calls
+from .environments import (
+    EnvironmentCallError,
+    EnvironmentSession,
+    Tokenizer,
+    Tool,
+    ToolCall,
+    parse_tool_calls,
+)
 from .rollout_index import read_groups
 
 if TYPE_CHECKING:
@@ -125,6 +133,18 @@ class MultiTurnConfig(BaseModel):
         "cancelled at the deadline; a synchronous one runs in a daemon thread, abandoned "
         "at the deadline (Python cannot stop a thread; a late result is dropped). None: "
         "no deadline, and a synchronous tool runs on the event loop.",
+    )
+    environment_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Deadline of one call of the environment (reset, step, get_reward, "
+        "close), in seconds. A call past it, or one that raises, fails the sibling attempt "
+        "(SiblingFailed, retryable, its reason naming the call, its turn and the deadline); "
+        "the next attempt resumes the trajectory after its last durable turn, up to "
+        "attempts_per_sibling. An async call is cancelled at the deadline; a synchronous one "
+        "runs in a daemon thread, abandoned at the deadline (a late result is dropped). A "
+        "close past it is logged only. None: no deadline, and a synchronous call runs on the "
+        "event loop.",
     )
     max_weight_versions: int | None = Field(
         None,
@@ -175,6 +195,8 @@ class MultiTurnStats:
     tool_calls_status_checked: int = 0
     tool_calls_not_rerun: int = 0
     tool_calls_timed_out: int = 0
+    environment_calls_timed_out: int = 0
+    environment_calls_failed: int = 0
     trajectories_resumed: int = 0
     trajectories_completed: int = 0
     late_results_refused: int = 0
@@ -204,8 +226,14 @@ class _Late(Exception):
     """The attempt lost the sibling while it ran; the result was refused and recorded."""
 
 
-class _ToolDeadline(Exception):
-    """A tool call did not answer within ``tool_timeout_s``."""
+class _Deadline(Exception):
+    """A tool or environment call did not answer within its deadline."""
+
+
+class EnvironmentFailedError(BackendError):
+    """A call of a trajectory's environment raised or did not answer within
+    ``environment_timeout_s``: the sibling attempt fails (retryably: the next one resumes
+    the trajectory after its last durable turn)."""
 
 
 class _TooStale(Exception):
@@ -431,13 +459,31 @@ class TrajectoryBackend:
 
     def _session(self, group_id: int) -> EnvironmentSession:
         env = None if self.environment_factory is None else self.environment_factory()
-        return EnvironmentSession(env, self.tools)
+        return EnvironmentSession(env, self.tools, runner=self._run_environment)
 
-    def _reset(self, session: EnvironmentSession, group_id: int) -> str | None:
+    async def _run_environment(self, what: str, call: Callable[[], Any], is_async: bool) -> Any:
+        """Run one call of an environment within ``environment_timeout_s``; its error or
+        missed deadline becomes an :class:`EnvironmentCallError` naming the call."""
+        timeout = self.config.environment_timeout_s
+        try:
+            return await self._call_by_deadline(call, is_async, f"environment-{what}", timeout)
+        except _Deadline:
+            self.stats.environment_calls_timed_out += 1
+            raise EnvironmentCallError(
+                f"the environment's {what} did not answer within {timeout} s "
+                "(environment_timeout_s)"
+            ) from None
+        except Exception as exc:
+            self.stats.environment_calls_failed += 1
+            raise EnvironmentCallError(
+                f"the environment's {what} raised {type(exc).__name__}: {exc}"
+            ) from exc
+
+    async def _reset(self, session: EnvironmentSession, group_id: int) -> str | None:
         kwargs = (
             {} if self.reset_kwargs is None else self.reset_kwargs(self._prompt_index(group_id))
         )
-        return session.reset(**kwargs)
+        return await session.reset(**kwargs)
 
     async def _run(
         self, request: GroupRequest, spec: SiblingSpec, dispatched: int
@@ -445,6 +491,10 @@ class TrajectoryBackend:
         session = self._session(request.group_id)
         try:
             return await self._run_session(request, spec, dispatched, session)
+        except EnvironmentCallError as exc:
+            raise EnvironmentFailedError(
+                f"group {request.group_id} sibling {spec.sibling} attempt {spec.attempt}: {exc}"
+            ) from exc
         finally:
             await session.close()
 
@@ -463,7 +513,7 @@ class TrajectoryBackend:
             # policy abandoned (its turns are never reused): start anew.
             traj = None
         if traj is None:
-            observation = self._reset(session, gid)
+            observation = await self._reset(session, gid)
             obs_ids = self._encode(observation)[: max(0, budget - 1)] if observation else []
             pid = self._payload_id(spec, gid, "start") if obs_ids else None
             puts = (_payload(pid, "observation", {"token_ids": obs_ids}),) if pid else ()
@@ -512,7 +562,8 @@ class TrajectoryBackend:
             # while it ran): decide again on what it used, before its tools run.
             await self._staleness(spec, self.book[key], None, session)
         traj = self.book[key]
-        return self._complete(request, spec, traj, session, dispatched, finish)
+        reward = await session.reward()
+        return self._complete(request, spec, self.book[key], reward, dispatched, finish)
 
     @staticmethod
     def _resumed(spec: SiblingSpec, gid: int, traj: TrajectoryState) -> TrajectoryResumed:
@@ -553,7 +604,7 @@ class TrajectoryBackend:
         # The environment's memory may hold effects of the abandoned turns: build it again
         # from the kept ones, as a resume does (released first: verl-style instances).
         await session.close()
-        self._reset(session, traj.group_id)
+        await self._reset(session, traj.group_id)
         await self._replay_idempotent(session, traj)
         return True
 
@@ -567,21 +618,20 @@ class TrajectoryBackend:
         self.stats.trajectories_resumed += 1
         self.stats.model_calls_reused += traj.turns
         self.stats.tool_results_reused += reused
-        self._reset(session, gid)
+        await self._reset(session, gid)
         await self._replay_idempotent(session, traj)
         return traj
 
-    @staticmethod
-    async def _replay_idempotent(session: EnvironmentSession, traj: TrajectoryState) -> None:
+    async def _replay_idempotent(self, session: EnvironmentSession, traj: TrajectoryState) -> None:
         """Rebuild the environment's memory: replay the trajectory's recorded idempotent
-        tool calls (safe by definition; their recorded results stand)."""
+        tool calls (safe by definition; their recorded results stand), each within
+        ``tool_timeout_s``."""
         for call in traj.tool_calls:
             tool = session.tools.get(call.tool)
             if call.status == "completed" and tool is not None and tool.idempotent:
+                replay = functools.partial(tool, call.arguments, call.idempotency_key)
                 try:
-                    replayed = tool(call.arguments, call.idempotency_key)
-                    if inspect.isawaitable(replayed):  # an async tool (verl's are)
-                        await replayed
+                    await self._call_tool(replay, inspect.iscoroutinefunction(tool.fn), call.tool)
                 except Exception:  # its recorded result stands; the replay only rebuilds memory
                     log.debug("replaying idempotent tool %s failed", call.tool, exc_info=True)
 
@@ -689,7 +739,7 @@ class TrajectoryBackend:
         traj = self.book[key]
         if not traj.stepped:
             left = budget - (traj.context_tokens - len(prompt))
-            observation, reward, done = session.step(text)
+            observation, reward, done = await session.step(text, f"step of turn {turn}")
             ids = self._encode(observation)[: max(0, left)] if observation else []
             pid = self._payload_id(spec, gid, f"t{turn}-env") if ids else None
             puts = (_payload(pid, "observation", {"token_ids": ids}),) if pid else ()
@@ -735,7 +785,7 @@ class TrajectoryBackend:
                 result = await self._call_tool(
                     lambda: status(key), inspect.iscoroutinefunction(status), f"{call.name}-status"
                 )
-            except _ToolDeadline:
+            except _Deadline:
                 self.stats.tool_calls_timed_out += 1
                 reason = (
                     f"the status check of tool {call.name!r} did not answer within "
@@ -780,7 +830,7 @@ class TrajectoryBackend:
             result = await self._call_tool(
                 lambda: tool(call.arguments, key), inspect.iscoroutinefunction(tool.fn), call.name
             )
-        except _ToolDeadline:
+        except _Deadline:
             self.stats.tool_calls_run += 1
             self.stats.tool_calls_timed_out += 1
             reason = (
@@ -800,12 +850,21 @@ class TrajectoryBackend:
 
     async def _call_tool(self, fn: Callable[[], Any], is_async: bool, name: str) -> Any:
         """Run ``fn`` (a tool call or status check); with ``tool_timeout_s``, raise
-        :class:`_ToolDeadline` past it."""
-        if self.config.tool_timeout_s is None:
+        :class:`_Deadline` past it."""
+        return await self._call_by_deadline(
+            fn, is_async, f"tool-{name}", self.config.tool_timeout_s
+        )
+
+    async def _call_by_deadline(
+        self, fn: Callable[[], Any], is_async: bool, name: str, timeout: float | None
+    ) -> Any:
+        """Run ``fn`` (user code: a tool, a status check, an environment's call); with a
+        ``timeout``, raise :class:`_Deadline` past it."""
+        if timeout is None:
             result = fn()
             return await result if inspect.isawaitable(result) else result
         if is_async:
-            return await self._by_deadline(asyncio.ensure_future(fn()))
+            return await self._by_deadline(asyncio.ensure_future(fn()), timeout)
         # A synchronous tool cannot be interrupted: it runs in a daemon thread, so one that
         # hangs neither blocks the loop nor keeps the process alive at exit.
         loop = asyncio.get_running_loop()
@@ -828,16 +887,16 @@ class TrajectoryBackend:
             with contextlib.suppress(RuntimeError):  # the loop closed: no one waits
                 loop.call_soon_threadsafe(settle, value, error)
 
-        threading.Thread(target=run, name=f"rolloutlog-tool-{name}", daemon=True).start()
-        result = await self._by_deadline(done)
+        threading.Thread(target=run, name=f"rolloutlog-{name}", daemon=True).start()
+        result = await self._by_deadline(done, timeout)
         if inspect.isawaitable(result):  # a wrapper that returned a coroutine
-            result = await self._by_deadline(asyncio.ensure_future(result))
+            result = await self._by_deadline(asyncio.ensure_future(result), timeout)
         return result
 
-    async def _by_deadline(self, running: asyncio.Future[Any]) -> Any:
-        """``running``'s result, or :class:`_ToolDeadline` (``running`` cancelled) past
-        ``tool_timeout_s`` (a TimeoutError the tool raises itself stays an error)."""
-        timeout = self.config.tool_timeout_s
+    @staticmethod
+    async def _by_deadline(running: asyncio.Future[Any], timeout: float) -> Any:
+        """``running``'s result, or :class:`_Deadline` (``running`` cancelled) past
+        ``timeout`` (a TimeoutError the call raises itself stays an error)."""
         try:
             done, _ = await asyncio.wait({running}, timeout=timeout)
         except BaseException:  # this coroutine was cancelled: so is the tool
@@ -846,7 +905,7 @@ class TrajectoryBackend:
         if not done:
             running.cancel()
             await asyncio.wait({running}, timeout=timeout)  # let it unwind, within a deadline
-            raise _ToolDeadline
+            raise _Deadline
         return running.result()
 
     def _encode(self, text: str) -> list[int]:
@@ -921,11 +980,10 @@ class TrajectoryBackend:
         request: GroupRequest,
         spec: SiblingSpec,
         traj: TrajectoryState,
-        session: EnvironmentSession,
+        reward: float | None,
         dispatched: int,
         finish: Any,
     ) -> SiblingResult:
-        reward = session.reward()
         if reward is None:
             reward = traj.last_reward
         arrays = self._flatten(traj)

@@ -281,6 +281,26 @@ class RolloutRuntime:
                     )
                     self.stats.aborted += 1
 
+    @property
+    def failure(self) -> BaseException | None:
+        """The error that stopped the pump (a backend that cannot be reached, a log that
+        failed, ...), None while it runs. Once set it stays: the pump dispatches nothing
+        more, and :meth:`next_batch` and the other calls raise :class:`RunStoppedError`."""
+        return self._error
+
+    def completion_payload(self, group_id: int, payload_id: str) -> bytes:
+        """The encoded arrays (``token_ids``, ``logprobs``) of one completion of
+        ``group_id``: from memory while the group is live, else read from the log's store.
+
+        It changes nothing (unlike assembling a :class:`Batch`, which frees what it
+        reads), so a caller building its own samples may call it from a worker thread
+        while the pump runs."""
+        cached = self._payload_cache.get(group_id)
+        data = None if cached is None else cached.get(payload_id)
+        if data is None:
+            data = self.controller.store.get_payload(self.controller.run_id, payload_id)
+        return data
+
     def _raise_if_failed(self) -> None:
         if isinstance(self._error, RunStoppedError):
             raise self._error  # already says why the run stopped

@@ -95,6 +95,16 @@ class FakeEngineServer:
         """The engine's base URL."""
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def listening(self) -> bool:
+        """Whether the engine was started and not stopped since."""
+        return self._server is not None
+
+    @property
+    def requests_in_flight(self) -> int:
+        """Generation requests the engine is serving now (accepted, not yet answered)."""
+        return len(self._tasks)
+
     async def start(self) -> None:
         """Listen on loopback."""
         await self.backend.start()

@@ -295,6 +295,11 @@ class LiveMetrics:
             return self.controller.run_id
         return self.follower.projection.run_id
 
+    @property
+    def has_step_sinks(self) -> bool:
+        """Whether a per-step sink (:meth:`add_step_sink`) is attached and not closed."""
+        return bool(self._publishers)
+
     # ------------------------------------------------------------------ wiring
     def add_step_sink(self, sink: StepSink, written: Mapping[int, float] | None = None) -> None:
         """Hand every trained step of the history to ``sink`` (TensorBoard, W&B, ...) as
@@ -727,7 +732,7 @@ def start_embedded_telemetry(
     try:
         for sink in step_sinks:
             live.add_step_sink(sink)
-        if live._publishers or serve:
+        if live.has_step_sinks or serve:
             live.attach(controller, runtime, background=True)
             if recovery is not None:
                 live.observe_restore(recovery)
@@ -743,7 +748,9 @@ def start_embedded_telemetry(
                     addr,
                     port,
                     exc.strerror or exc,
-                    "; the per-step sinks (TensorBoard) keep writing" if live._publishers else "",
+                    "; the per-step sinks (TensorBoard) keep writing"
+                    if live.has_step_sinks
+                    else "",
                 )
     except Exception:
         log.exception(
@@ -758,7 +765,7 @@ def start_embedded_telemetry(
         except Exception:
             log.exception("detaching the metrics listener failed")
         return None
-    if handle is None and not live._publishers:
+    if handle is None and not live.has_step_sinks:
         live.detach()
         return None
     if handle is not None:

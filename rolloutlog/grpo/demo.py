@@ -136,6 +136,11 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
+#: How long a worker that closed its output (or was killed) may take to exit: its
+#: shutdown (engines, flushes) past it is a hang, not a slow exit.
+_EXIT_GRACE_S = 120.0
+
+
 def _kill_group(proc: subprocess.Popen[str], *, wait_s: float = 10.0) -> None:
     """SIGKILL every process of the worker's group and wait (bounded) until none is left.
 
@@ -202,6 +207,7 @@ def _run_worker(
         reader.start()
         read_all = False
         armed = False
+        hung = False
         try:
             while True:
                 try:
@@ -240,7 +246,14 @@ def _run_worker(
                 # Stopped reading early (a crash, an error, ^C): nothing of the worker
                 # may outlive this function.
                 _kill_group(proc)
-            proc.wait()
+            try:
+                proc.wait(timeout=_EXIT_GRACE_S)
+            except subprocess.TimeoutExpired:
+                # It closed its output but does not exit (a shutdown that hangs): end it
+                # and what it started; a worker killed here never counts as a success.
+                hung = True
+                _kill_group(proc)
+                proc.wait(timeout=_EXIT_GRACE_S)
             if proc.stdin is not None:
                 with contextlib.suppress(OSError):  # a dead reader's pipe may not flush
                     proc.stdin.close()
@@ -250,6 +263,11 @@ def _run_worker(
             if not reader.is_alive():
                 stdout.close()
         out.returncode = proc.returncode
+        if hung and not out.killed:
+            raise DemoError(
+                f"the {mode} worker closed its output but did not exit within "
+                f"{_EXIT_GRACE_S} s; it was killed"
+            )
         if not out.killed and proc.returncode != 0:
             errfile.seek(0)
             err = errfile.read()

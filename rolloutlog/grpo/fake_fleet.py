@@ -77,7 +77,7 @@ class InProcessFakeFleet(FleetBackend):
     async def start(self) -> None:
         """Start the engines, then the fleet."""
         for server in self.servers:
-            if server._server is None:
+            if not server.listening:
                 await server.start()
         await super().start()
 
@@ -95,7 +95,7 @@ class InProcessFakeFleet(FleetBackend):
         server = self.servers[index]
         engine_id = self.engines[index].engine_id
         deadline = time.monotonic() + min(5.0, timeout_s)
-        while not server._tasks and time.monotonic() < deadline:
+        while not server.requests_in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.01)  # a kill with work in flight shows the re-dispatch
         await server.stop()
         deadline = time.monotonic() + timeout_s

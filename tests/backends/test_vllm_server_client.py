@@ -7,6 +7,7 @@ a deliberate refit, and is never retried by the client.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -120,16 +121,24 @@ def test_request_timeout_aborts_on_the_server(tiny_model_dir: Path, run: Runner)
             latency=30.0,
             max_model_len=MAX_MODEL_LEN,
         )
+        assert not server.listening
         await server.start()
+        assert server.listening and server.requests_in_flight == 0
         backend = VLLMServerBackend(server.url, model_dir=tiny_model_dir, request_timeout=0.3)
         try:
             await backend.start()
+            pending = asyncio.ensure_future(backend.generate(REQUEST))
+            deadline = asyncio.get_running_loop().time() + 10
+            while server.requests_in_flight == 0 and not pending.done():
+                assert asyncio.get_running_loop().time() < deadline, "the request never arrived"
+                await asyncio.sleep(0.005)
             with pytest.raises(EngineTransportError, match="no answer within"):
-                await backend.generate(REQUEST)
-            assert not server._tasks  # the abort reached the engine
+                await pending
+            assert server.requests_in_flight == 0  # the abort reached the engine
         finally:
             await backend.close()
             await server.stop()
+        assert not server.listening
 
     run(scenario(), timeout=30)
 

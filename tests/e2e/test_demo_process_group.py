@@ -166,3 +166,32 @@ def test_demo_vllm_leaves_no_engine_process(tmp_path: Path) -> None:
         if row.seq > restored_at and isinstance(ev, SiblingDispatched)
     }
     assert versions and min(versions) >= restored.checkpoint_weight_version, versions
+
+
+HANGING_WORKER = """
+import json, os, sys, time
+print(json.dumps({"event": "step", "step": 0}), flush=True)
+os.close(1)  # its output ends, as at a clean exit
+sys.stdout = open(os.devnull, "w")
+time.sleep(600)  # but its shutdown hangs
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+def test_a_worker_that_closes_its_output_but_never_exits_is_killed_and_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Waiting for the worker's exit has a deadline: past it the demo kills the worker's
+    group and fails with one line saying so (never a clean-looking return)."""
+    script = tmp_path / "hanging_worker.py"
+    script.write_text(HANGING_WORKER)
+    monkeypatch.setattr(
+        demo,
+        "_worker_argv",
+        lambda _cfg, _rid, _mode, _hold=None: [sys.executable, str(script)],
+    )
+    monkeypatch.setattr(demo, "_EXIT_GRACE_S", 0.5)
+    seen: list[dict[str, Any]] = []
+    with pytest.raises(demo.DemoError, match=r"closed its output but did not exit within 0\.5 s"):
+        demo._run_worker(_cfg(tmp_path), "r", "fresh", kill_after_step=None, on_message=seen.append)
+    assert seen == [{"event": "step", "step": 0}]

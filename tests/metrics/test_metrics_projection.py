@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
@@ -401,3 +402,29 @@ def test_every_metric_is_documented() -> None:
             assert label in doc
     assert "telemetry:" in doc and "enabled: true" in doc
     assert "rolloutlog metrics" in doc and "rolloutlog serve-metrics" in doc
+
+
+def test_has_step_sinks_follows_add_and_close_of_the_step_sinks() -> None:
+    """``LiveMetrics.has_step_sinks``: False until a per-step sink is added, True while
+    one is attached, False again once :meth:`close_step_sinks` closed them."""
+    from rolloutlog.controller.metrics.live import LiveMetrics
+
+    class Sink:
+        closed = False
+
+        def write_step(self, step: int, scalars: Any, wall_time: float) -> None:
+            pass
+
+        def purge(self, from_step: int) -> None:
+            pass
+
+        def close(self) -> None:
+            self.closed = True
+
+    live = LiveMetrics()
+    assert not live.has_step_sinks
+    sink = Sink()
+    live.add_step_sink(sink)
+    assert live.has_step_sinks and not sink.closed
+    live.close_step_sinks()
+    assert not live.has_step_sinks and sink.closed

@@ -54,10 +54,10 @@ class TrlEnv:
 def test_a_trl_environment_runs_unchanged() -> None:
     session = EnvironmentSession(TrlEnv(), [Tool("add", lambda a, b: a + b, idempotent=True)])
     assert sorted(session.tools) == ["add", "lookup", "peek"]
-    assert session.reset(name="x") == "hello x"
+    assert asyncio.run(session.reset(name="x")) == "hello x"
     assert not session.tools["lookup"].idempotent and session.tools["peek"].idempotent
     assert session.tools["lookup"]({"word": "a"}, "k1") == "A"
-    assert session.reward() == 1.0
+    assert asyncio.run(session.reward()) == 1.0
     assert session.tools["add"]({"a": 1, "b": 2}, "k2") == 3
     assert not session.steps
     with pytest.raises(ValueError, match="defined twice"):
@@ -88,7 +88,7 @@ def test_a_tool_with_a_status_check_gets_its_idempotency_key() -> None:
             return seen.get(key)
 
     session = EnvironmentSession(Env())
-    assert session.reset() is None
+    assert asyncio.run(session.reset()) is None
     pay = session.tools["pay"]
     assert pay({"amount": 5}, "k") == "ok" and pay.status is not None and pay.status("k") == "5"
 
@@ -235,3 +235,87 @@ def test_the_deterministic_backend_scripts_outputs_within_the_contract() -> None
     assert len(scripted.logprobs) == 3 and all(lp < 0 for lp in scripted.logprobs)
     assert drawn.token_ids != (5, 6, 7)  # None: the seeded draw
     validate_results(request, [scripted, drawn], VOCAB)
+
+
+@pytest.mark.parametrize("kind", ["hanging_sync_step", "hanging_async_step", "raising_reset"])
+def test_an_environment_call_that_hangs_or_raises_fails_the_attempt_by_its_deadline(
+    sqlite_url: str, kind: str
+) -> None:
+    """``environment_timeout_s``: the first environment call of the run hangs (a sync
+    ``step`` blocks its thread, an async one sleeps) or raises (``reset``). The sibling
+    attempt is recorded failed (retryable), the reason naming the call, its turn and the
+    deadline; the next attempt resumes and the batch completes. A hung sync call's thread
+    is abandoned at the deadline, not joined."""
+    import threading
+    import time
+
+    release = threading.Event()
+    first = [True]
+
+    def trouble() -> bool:
+        was, first[0] = first[0], False
+        return was
+
+    class Troubled(GuessEnv):
+        def reset(self, secret: int) -> str:
+            if kind == "raising_reset" and trouble():
+                raise RuntimeError("the sandbox did not start")
+            return super().reset(secret)
+
+    class SyncHang(Troubled):
+        def step(self, text: str) -> tuple[str | None, float | None, bool]:
+            if trouble():
+                release.wait(60)  # hangs until the test ends
+            return super().step(text)
+
+    class AsyncHang(Troubled):
+        async def step(self, text: str) -> tuple[str | None, float | None, bool]:  # type: ignore[override]
+            if trouble():
+                await asyncio.sleep(60)  # cancelled at the deadline
+            return GuessEnv.step(self, text)
+
+    factory = {"hanging_sync_step": SyncHang, "hanging_async_step": AsyncHang}.get(kind, Troubled)
+    store = EventStore.open(sqlite_url)
+    ctl = start(store)
+    inner = DeterministicBackend(vocab_size=VOCAB, max_model_len=512, script=guesser)
+    multi = TrajectoryBackend(
+        inner,
+        TOKENIZER,
+        environment_factory=factory,
+        reset_kwargs=lambda index: {"secret": index % 10},
+        config=MultiTurnConfig(
+            max_turns=6, max_tokens_per_turn=4, max_context_tokens=64, environment_timeout_s=0.5
+        ),
+    )
+    multi.attach(ctl)
+    rt = RolloutRuntime(
+        ctl, multi, MultiTurnPrompts(Prompts(), multi), GenerationConfig(max_tokens=60)
+    )
+
+    async def main() -> Any:
+        await rt.start()
+        try:
+            return await rt.next_batch(0, timeout=60)
+        finally:
+            await rt.close()
+
+    try:
+        batch = asyncio.run(asyncio.wait_for(main(), timeout=120))
+    finally:
+        release.set()
+    ctl.close()
+    assert all(s.reward == 1.0 for s in batch.samples)
+    failed = [CODEC.decode(r) for r in store.read(RUN) if r.type == "SiblingFailed"]
+    assert failed and all(e.retryable for e in failed)
+    if kind == "raising_reset":
+        expected = "the environment's reset raised RuntimeError: the sandbox did not start"
+        assert multi.stats.environment_calls_failed == 1
+    else:
+        expected = "the environment's step of turn 0 did not answer within 0.5 s"
+        assert multi.stats.environment_calls_timed_out == 1
+    assert all(expected in e.reason for e in failed), [e.reason for e in failed]
+    store.close()
+    deadline = time.monotonic() + 30
+    while any(t.name.startswith("rolloutlog-environment") for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the hung environment's thread did not end"
+        time.sleep(0.05)

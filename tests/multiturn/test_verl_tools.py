@@ -119,10 +119,10 @@ def test_verl_tools_are_an_environments_methods() -> None:
     assert sorted(session.tools) == ["add", "submit"]
     assert session.tools["submit"].idempotent and session.tools["submit"].status is None
     assert not session.tools["add"].idempotent and session.tools["add"].status is str
-    assert session.reset(tools_kwargs={"submit": {"create_kwargs": {"x": 1}}}) is None
-    assert session.reward() is None  # calc_reward is async: the run's reward scores
 
     async def main() -> None:
+        assert await session.reset(tools_kwargs={"submit": {"create_kwargs": {"x": 1}}}) is None
+        assert await session.reward() is None  # calc_reward is async: the run's reward scores
         assert await session.tools["submit"]({"answer": 3}, "k0") == "received"
         assert await session.tools["submit"]({"answer": 4}, "k1") == "received"
         (instance,) = submit._instance_dict

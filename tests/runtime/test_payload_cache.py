@@ -21,7 +21,7 @@ from rolloutlog.controller.config import RolloutConfig, StoreConfig
 from rolloutlog.controller.domain.state import RunState
 from rolloutlog.controller.rollout_controller import RolloutController
 from rolloutlog.controller.rollout_runtime import GenerationConfig, RolloutRuntime
-from rolloutlog.eventstore import EventStore
+from rolloutlog.eventstore import EventStore, decode_arrays
 
 WEIGHTS = [("w", torch.zeros(1))]
 
@@ -105,3 +105,60 @@ def test_payloads_of_dropped_and_evicted_groups_are_forgotten(tmp_path: Path) ->
     assert stale == {}, f"payloads of groups no longer live (count by step): {stale}"
     # The cache is bounded by the live groups' completed siblings, not by the run's length.
     assert max(len(cached) for _, cached, _ in seen) <= 2 * 3 * 4
+
+
+def test_completion_payload_reads_memory_or_the_store_and_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    """``completion_payload``: the completion's encoded arrays, the same bytes the store
+    holds, whether the group is still cached (and it stays cached: a caller may read it
+    from a worker thread) or its batch was assembled already (then from the store)."""
+    store = EventStore.open(f"sqlite:///{tmp_path / 'log.db'}")
+    config = RolloutConfig(group_size=2, groups_per_step=2, lookahead=1, staleness_bound=1)
+    ctl = RolloutController.start(
+        store,
+        "r",
+        config,
+        dataset_fingerprint=_Prompts.fingerprint,
+        dataset_size=_Prompts.num_prompts,
+        store_config=StoreConfig(snapshot_interval=0, group_commit_window_ms=1),
+    )
+    checked: dict[str, int] = {"cached": 0, "assembled": 0}
+
+    async def go() -> None:
+        runtime = RolloutRuntime(
+            ctl, DeterministicBackend(vocab_size=32), _Prompts(), GenerationConfig(max_tokens=4)
+        )
+        await runtime.start()
+        try:
+            batch = await runtime.next_batch(0, timeout=30)
+            # Step 0's payloads were freed by assembling it: read from the store.
+            for sample in batch.samples:
+                pid = ctl.state.groups[sample.group_id].siblings[sample.sibling].payload_id
+                assert pid is not None and pid not in _cached(runtime)
+                data = runtime.completion_payload(sample.group_id, pid)
+                assert data == store.get_payload("r", pid)
+                ids = decode_arrays(data)["token_ids"].tolist()
+                assert tuple(ids) == sample.completion_token_ids
+                checked["assembled"] += 1
+            # Step 1's (the lookahead) are in memory until it is assembled.
+            deadline = asyncio.get_running_loop().time() + 30
+            while not _cached(runtime):
+                assert asyncio.get_running_loop().time() < deadline, "step 1 never finished"
+                await asyncio.sleep(0.01)
+            before = {g: dict(by_id) for g, by_id in runtime._payload_cache.items()}
+            for gid, by_id in before.items():
+                for pid, cached in by_id.items():
+                    assert runtime.completion_payload(gid, pid) == cached
+                    assert cached == store.get_payload("r", pid)
+                    checked["cached"] += 1
+            assert {p for b in before.values() for p in b} <= _cached(runtime)  # not freed
+        finally:
+            await runtime.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(go(), timeout=60))
+    finally:
+        ctl.close()
+        store.close()
+    assert checked["assembled"] == 4 and checked["cached"] >= 1

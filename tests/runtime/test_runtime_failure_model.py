@@ -72,10 +72,13 @@ def _events(store: EventStore) -> Counter[str]:
 
 async def _stopped_run(runtime: RolloutRuntime) -> RunStoppedError:
     """next_batch until the run stops; then check the pump wrote nothing more."""
+    assert runtime.failure is None
     await runtime.start()
     try:
         with pytest.raises(RunStoppedError) as info:
             await runtime.next_batch(0, timeout=20)
+        # ``failure``: the error that stopped the pump, the cause next_batch raises with.
+        assert runtime.failure is not None and info.value.__cause__ is runtime.failure
         await runtime.controller.aflush()
         before = runtime.controller.state.last_seq
         dispatched = runtime.stats.dispatched

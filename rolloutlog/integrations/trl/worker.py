@@ -667,7 +667,7 @@ class RolloutlogWorker:
         assert wake is not None
         while not self._stopping.is_set():
             self._heartbeat = time.time()
-            pump_error = getattr(runtime, "_error", None)
+            pump_error = runtime.failure
             if pump_error is not None:
                 raise WorkerFailedError(f"the rollout pump stopped: {pump_error}") from pump_error
             if controller.failure is not None:
@@ -803,8 +803,6 @@ class RolloutlogWorker:
         masks: dict[tuple[int, int], list[int]] | None = None,
     ) -> list[Any]:
         sample_cls = _trl_sample_class()
-        store, run_id = controller.store, controller.run_id
-        cache: dict[int, dict[str, bytes]] = getattr(runtime, "_payload_cache", {})
         out = []
         for group in groups:
             prompt_ids = self.prompts.prompt_token_ids(group.prompt_index)
@@ -827,10 +825,7 @@ class RolloutlogWorker:
             oldest = group.oldest_version() or 0
             for index, sib, adv, reward in zip(done_at, done, advantages, rewards, strict=True):
                 assert sib.payload_id is not None
-                data = cache.get(group.group_id, {}).get(sib.payload_id)
-                if data is None:
-                    data = store.get_payload(run_id, sib.payload_id)
-                arrays = decode_arrays(data)
+                arrays = decode_arrays(runtime.completion_payload(group.group_id, sib.payload_id))
                 ids = [int(t) for t in arrays["token_ids"]]
                 logprobs = [float(x) for x in arrays["logprobs"]]
                 mask = [1] * len(ids) if masks is None else masks[(group.group_id, index)]
