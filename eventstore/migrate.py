@@ -8,7 +8,6 @@ which command fixes it.
 
 from __future__ import annotations
 
-import importlib.resources
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +19,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.engine import Connection, Engine
 
+from . import schema_head
 from .errors import SchemaMismatchError
 from .schema import metadata as store_metadata
 from .schema_branches import SchemaBranch, schema_branches
@@ -29,12 +29,9 @@ _OWN_TABLES = {"runs", "events", "epochs", "payloads", "snapshots"}
 
 
 def migrations_dir() -> Path:
-    """Folder of the alembic environment shipped with rolloutlog.
-
-    Found as the package resource ``rolloutlog.migrations`` (never a top-level
-    ``migrations`` module, which a user's project may have: Django, alembic).
-    """
-    return Path(str(importlib.resources.files("rolloutlog.migrations"))).resolve()
+    """Folder of the alembic environment shipped with rolloutlog
+    (:func:`schema_head.migrations_dir`, which a test replaces to play a newer rolloutlog)."""
+    return schema_head.migrations_dir()
 
 
 def alembic_config(

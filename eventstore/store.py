@@ -26,6 +26,7 @@ from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.engine.url import URL
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, NoSuchModuleError
 
+from . import schema_head
 from .bulk import MultiRowInsert
 from .driver_errors import DriverFault, driver_fault
 from .errors import (
@@ -286,7 +287,10 @@ class EventStore:
             with store._translate_errors("opening the database"):
                 with engine.connect() as conn:
                     conn.exec_driver_sql("SELECT 1")
-            if check_schema:
+                    # An existing log at head (the usual open) is checked without
+                    # importing alembic into the host process (see schema_head).
+                    current = check_schema and schema_head.at_head(conn)
+            if check_schema and not current:
                 from . import migrate  # alembic: imported only where a schema is checked
 
                 if create and not readonly:

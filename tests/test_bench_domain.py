@@ -393,3 +393,33 @@ def test_the_turns_part_compares_turn_events_with_one_completion_and_restores_tw
     assert result["ratios"]["restore_100k_vs_1k_trajectories"] == pytest.approx(
         large["seconds_per_trajectory"] / small["seconds_per_trajectory"]
     )
+
+
+def test_the_loop_part_names_what_its_longest_pauses_are_made_of(
+    result: dict[str, Any],
+) -> None:
+    loop = result["loop"]
+    pauses = loop["longest_pauses"]
+    assert 1 <= len(pauses) <= 5
+    # Longest first, and the first is the figure the ratio reports.
+    assert [p["pause_ms"] for p in pauses] == sorted((p["pause_ms"] for p in pauses), reverse=True)
+    assert abs(pauses[0]["pause_ms"] - loop["loop_pause_ms"]["max"]) < 0.01
+    for pause in pauses:
+        # What ran inside a pause cannot be longer than it (each share is clipped to it).
+        for ms in pause["commands_ms"].values():
+            assert 0 < ms <= pause["pause_ms"] + 0.01
+        for collection in pause["collections"]:
+            assert collection["generation"] in (0, 1, 2)
+            assert 0 < collection["ms"] <= min(collection["whole_ms"], pause["pause_ms"]) + 0.01
+        assert pause["other_ms"] == round(pause["pause_ms"] - sum(pause["commands_ms"].values()), 2)
+    work = loop["loop_work"]
+    # Every command the driver ran is counted, by kind: the cycles' selects and the
+    # completions of the groups they admitted.
+    assert work["commands"]["select"]["count"] == loop["cycles"]
+    assert work["commands"]["dispatch"]["count"] == work["commands"]["complete"]["count"] > 0
+    for entry in work["commands"].values():
+        assert entry["max_own_ms"] <= entry["max_ms"] + 0.01
+    # Per collected generation (none at all is possible at tiny sizes).
+    assert set(work["collections"]) <= {"0", "1", "2"}
+    for entry in work["collections"].values():
+        assert entry["count"] > 0 and entry["max_ms"] >= 0

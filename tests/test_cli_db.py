@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from click.testing import CliRunner, Result
 
 from rolloutlog.cli import main
-from rolloutlog.eventstore import EventStore, migrate
+from rolloutlog.eventstore import EventStore, migrate, schema_head
 from rolloutlog.eventstore.schema import metadata
 
 UNREACHABLE_PG = "postgresql+psycopg://postgres@127.0.0.1:1/nothing"
@@ -131,7 +131,7 @@ def test_check_older_revision_names_upgrade_and_upgrade_fixes_it(
         "branch_labels = None\ndepends_on = None\n\n\n"
         "def upgrade() -> None:\n    pass\n\n\ndef downgrade() -> None:\n    pass\n"
     )
-    monkeypatch.setattr(migrate, "migrations_dir", lambda: target)
+    monkeypatch.setattr(schema_head, "migrations_dir", lambda: target)
 
     result = cli("db", "check", db_url)
     assert result.exit_code == 1

@@ -16,7 +16,7 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy.engine import Connection, Engine
 
 from rolloutlog.controller.rollout_index import metadata as index_metadata
-from rolloutlog.eventstore import EventStore, NewEvent, SchemaMismatchError, migrate
+from rolloutlog.eventstore import EventStore, NewEvent, SchemaMismatchError, migrate, schema_head
 from rolloutlog.eventstore.schema import metadata as store_metadata
 
 # The log's tables and the controller's index: one chain of revisions creates both.
@@ -219,7 +219,7 @@ def test_open_refuses_older_revision_and_names_the_upgrade_command(
     migrate.upgrade(engine)
     # A newer rolloutlog (head one revision further) meets this database.
     next_dir = make_next_revision_dir(tmp_path)
-    monkeypatch.setattr(migrate, "migrations_dir", lambda: next_dir)
+    monkeypatch.setattr(schema_head, "migrations_dir", lambda: next_dir)
     assert migrate.head_revision() == FUTURE_REVISION
     for kwargs in ({}, {"create": False}, {"readonly": True, "create": False}):
         with pytest.raises(SchemaMismatchError) as err:

@@ -569,20 +569,23 @@ def build_buffered_run(
 
 def _complete_one(ctl: RolloutController, group_id: int, k: int) -> None:
     """Complete the one sibling of a ``group_size=1`` group with synthetic numbers."""
+    ctl.execute(_completion(ctl, group_id, k))
+
+
+def _completion(ctl: RolloutController, group_id: int, k: int) -> CompleteSibling:
+    """The completion of a ``group_size=1`` group's sibling, with synthetic numbers."""
     sib = ctl.state.groups[group_id].siblings[0]
-    ctl.execute(
-        CompleteSibling(
-            Completion(
-                group_id=group_id,
-                sibling=0,
-                attempt=sib.attempt,
-                weight_version=sib.weight_version or 0,
-                prompt_tokens=64 + k % 448,
-                completion_tokens=16 + (k * 7) % 2032,
-                reward=(k % 17) / 16,
-                payload_id=f"tok-{group_id:08d}-00-{sib.attempt}",
-                finish_reason="stop",
-            )
+    return CompleteSibling(
+        Completion(
+            group_id=group_id,
+            sibling=0,
+            attempt=sib.attempt,
+            weight_version=sib.weight_version or 0,
+            prompt_tokens=64 + k % 448,
+            completion_tokens=16 + (k * 7) % 2032,
+            reward=(k % 17) / 16,
+            payload_id=f"tok-{group_id:08d}-00-{sib.attempt}",
+            finish_reason="stop",
         )
     )
 
@@ -657,7 +660,8 @@ def _loop_pause_run(
         written_before = ctl.snapshots_written
         say(f"loop ({label}): {cycles} training cycles of {per_step} groups on the event loop")
         ctl.snapshot_step_max_s = 0.0
-        pauses = asyncio.run(_drive_cycles(ctl, cycles))
+        with _PauseTrace(ctl) as trace:
+            pauses = asyncio.run(_drive_cycles(ctl, cycles, trace))
         snapshot_step_ms = ctl.snapshot_step_max_s * 1000
         ctl.flush()
         check_invariants(ctl.state)
@@ -684,6 +688,9 @@ def _loop_pause_run(
         # The longest snapshot work any one command did on the loop (the rest of the
         # longest pause is the command itself and the garbage collector).
         "max_snapshot_step_ms": snapshot_step_ms,
+        # The five longest pauses: the commands, snapshot steps and collections in them.
+        "longest_pauses": trace.top(5),
+        "loop_work": trace.summary(),
     }
 
 
@@ -750,17 +757,133 @@ def bench_full_collection(groups: int, group_size: int, say: _ProgressFn) -> dic
     }
 
 
-async def _drive_cycles(ctl: RolloutController, cycles: int) -> list[float]:
+def _overlap_ms(a: float, b: float, due: float, woke: float) -> float:
+    """How much of the span ``a``-``b`` lies inside the pause ``due``-``woke`` (ms)."""
+    return max(0.0, min(b, woke) - max(a, due)) * 1000
+
+
+class _PauseTrace:
+    """What ran on the loop's thread while the monitor was late: each command (its label,
+    span and the snapshot step inside it) and each garbage collection (gcallbacks: its
+    span and generation), to name what the longest pauses are made of."""
+
+    def __init__(self, ctl: RolloutController) -> None:
+        self.ctl = ctl
+        # label, start, end, the snapshot step in it, the thread's CPU time in it (s)
+        self.spans: list[tuple[str, float, float, float, float]] = []
+        self.collections: list[tuple[int, float, float]] = []  # generation, start, end
+        self.samples: list[tuple[float, float]] = []  # monitor: due, woke
+        self._gc_started: dict[int, float] = {}
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        now = time.perf_counter()
+        gen = info["generation"]
+        if phase == "start":
+            self._gc_started[gen] = now
+        elif gen in self._gc_started:
+            self.collections.append((gen, self._gc_started.pop(gen), now))
+
+    def __enter__(self) -> _PauseTrace:
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+    def execute(self, label: str, command: Command) -> None:
+        ctl = self.ctl
+        before = ctl.snapshot_step_max_s
+        ctl.snapshot_step_max_s = 0.0
+        cpu = time.thread_time()
+        started = time.perf_counter()
+        ctl.execute(command)
+        ended = time.perf_counter()
+        cpu = time.thread_time() - cpu
+        snap = ctl.snapshot_step_max_s
+        ctl.snapshot_step_max_s = max(before, snap)
+        self.spans.append((label, started, ended, snap, cpu))
+
+    def span(self, label: str, started: float) -> None:
+        self.spans.append((label, started, time.perf_counter(), 0.0, 0.0))
+
+    def summary(self) -> dict[str, Any]:
+        """Per command label and per collected generation: how many, and the longest
+        (a command's longest wall time, also without the collections that ran inside it,
+        and its longest CPU time on the loop's thread: wall minus CPU is time the thread
+        waited, for the GIL or a core)."""
+        commands: dict[str, dict[str, Any]] = {}
+        for label, a, b, _snap, cpu in self.spans:
+            inner = sum(
+                _overlap_ms(ga, gb, a, b) for _g, ga, gb in self.collections if ga < b and gb > a
+            )
+            entry = commands.setdefault(
+                label, {"count": 0, "max_ms": 0.0, "max_own_ms": 0.0, "max_cpu_ms": 0.0}
+            )
+            entry["count"] += 1
+            entry["max_cpu_ms"] = round(max(entry["max_cpu_ms"], cpu * 1000), 2)
+            entry["max_ms"] = round(max(entry["max_ms"], (b - a) * 1000), 2)
+            entry["max_own_ms"] = round(max(entry["max_own_ms"], (b - a) * 1000 - inner), 2)
+        collections: dict[str, dict[str, Any]] = {}
+        for g, a, b in self.collections:
+            entry = collections.setdefault(str(g), {"count": 0, "max_ms": 0.0})
+            entry["count"] += 1
+            entry["max_ms"] = round(max(entry["max_ms"], (b - a) * 1000), 2)
+        return {"commands": commands, "collections": collections}
+
+    def top(self, n: int) -> list[dict[str, Any]]:
+        """The ``n`` longest pauses, each with what overlapped it (ms inside the pause)."""
+        worst = sorted(self.samples, key=lambda s: s[1] - s[0], reverse=True)[:n]
+        out = []
+        for due, woke in worst:
+            commands: dict[str, float] = {}
+            snapshot_ms = 0.0
+            for label, a, b, snap, _cpu in self.spans:
+                ms = _overlap_ms(a, b, due, woke)
+                if ms > 0:
+                    commands[label] = round(commands.get(label, 0.0) + ms, 2)
+                    if snap and a >= due and b <= woke:
+                        snapshot_ms += snap * 1000
+            gcs = [
+                {
+                    "generation": g,
+                    "ms": round(_overlap_ms(a, b, due, woke), 2),
+                    "whole_ms": round((b - a) * 1000, 2),
+                }
+                for g, a, b in self.collections
+                if _overlap_ms(a, b, due, woke) > 0
+            ]
+            out.append(
+                {
+                    "pause_ms": round((woke - due) * 1000, 2),
+                    "commands_ms": commands,
+                    "snapshot_step_ms": round(snapshot_ms, 2),
+                    "collections": gcs,
+                    # Neither a command nor the driver: the loop itself, other threads
+                    # holding the GIL (committer, snapshot writer), or the OS scheduler.
+                    "other_ms": round((woke - due) * 1000 - sum(commands.values()), 2),
+                }
+            )
+        return out
+
+
+async def _drive_cycles(
+    ctl: RolloutController, cycles: int, trace: _PauseTrace | None = None
+) -> list[float]:
     """Run ``cycles`` training cycles, yielding between commands; return the monitor's
-    lateness samples (seconds)."""
+    lateness samples (seconds). ``trace`` records what ran, for the longest pauses."""
     pauses: list[float] = []
     running = True
+    tr = trace or _PauseTrace(ctl)
 
     async def monitor() -> None:
         while running:
             started = time.perf_counter()
             await asyncio.sleep(0.001)
-            pauses.append(max(0.0, time.perf_counter() - started - 0.001))
+            woke = time.perf_counter()
+            pauses.append(max(0.0, woke - started - 0.001))
+            tr.samples.append((started + 0.001, woke))
 
     watcher = asyncio.ensure_future(monitor())
     await asyncio.sleep(0.01)
@@ -768,32 +891,38 @@ async def _drive_cycles(ctl: RolloutController, cycles: int) -> list[float]:
     try:
         for _ in range(cycles):
             step = ctl.state.train_step
-            ctl.execute(SelectBatch(step))
+            tr.execute("select", SelectBatch(step))
             await asyncio.sleep(0)
-            ctl.execute(RecordTrainStep(step, ctl.state.weight_version + 1))
+            tr.execute("train", RecordTrainStep(step, ctl.state.weight_version + 1))
             await asyncio.sleep(0)
-            ctl.execute(PublishWeights(ctl.state.weight_version))
+            tr.execute("publish", PublishWeights(ctl.state.weight_version))
+            started = time.perf_counter()
             await ctl.aflush()
+            tr.span("flush", started)
             first_new = ctl.state.next_group_id
             while admission_blocker(ctl.state) is None:
-                ctl.execute(AdmitStep())
+                tr.execute("admit", AdmitStep())
                 await asyncio.sleep(0)
             # The groups just admitted (ids are handed out in order; no spares here): not
             # a scan of the 100k-group buffer, which would be the driver's own pause.
+            started = time.perf_counter()
             groups = ctl.state.groups
             fresh = [
                 gid
                 for gid in range(first_new, ctl.state.next_group_id)
                 if gid in groups and groups[gid].phase is Phase.ADMITTED
             ]
+            tr.span("driver", started)
             for gid in fresh:
-                ctl.execute(DispatchSiblings(gid, (0,), ctl.state.published_version))
+                tr.execute("dispatch", DispatchSiblings(gid, (0,), ctl.state.published_version))
                 await asyncio.sleep(0)
             for gid in fresh:
-                _complete_one(ctl, gid, k)
+                tr.execute("complete", _completion(ctl, gid, k))
                 k += 1
                 await asyncio.sleep(0)
+        started = time.perf_counter()
         await ctl.aflush()
+        tr.span("flush", started)
     finally:
         running = False
         await watcher

@@ -73,10 +73,10 @@ def readonly_as_nobody(path: str, run_id: str, shared: str | None = None) -> Non
     if shared is not None:
         # The checkout may be out of nobody's reach: alembic reads the copies in SHARED.
         import rolloutlog.migrations
-        from rolloutlog.eventstore import migrate
+        from rolloutlog.eventstore import schema_head
 
         root = Path(shared)
-        migrate.migrations_dir = lambda: root / "migrations"  # type: ignore[assignment]
+        schema_head.migrations_dir = lambda: root / "migrations"  # type: ignore[assignment]
         rolloutlog.migrations.version_locations = lambda script_dir: [  # type: ignore[assignment]
             script_dir / "versions",
             root / "index_migrations",
