@@ -321,12 +321,20 @@ class GroupCommitter(Committer):
             )
             record_commit_seconds(self._commit_seconds, time.perf_counter() - started)
             with self._cv:
-                self._durable = max(self._durable, last)
-                ready = [w for w in self._waiters if w[0] <= self._durable]
-                self._waiters = [w for w in self._waiters if w not in ready]
+                self._durable = durable = max(self._durable, last)
+                # One pass, and one hand-off per event loop for all of its waiters: a
+                # hand-off per waiter wakes the loop (a self-pipe write) once per waiter.
+                ready: dict[asyncio.AbstractEventLoop, list[asyncio.Future[int]]] = {}
+                waiting: list[tuple[int, asyncio.AbstractEventLoop, asyncio.Future[int]]] = []
+                for w in self._waiters:
+                    if w[0] <= durable:
+                        ready.setdefault(w[1], []).append(w[2])
+                    else:
+                        waiting.append(w)
+                self._waiters = waiting
                 self._cv.notify_all()
-            for _, loop, fut in ready:
-                _notify(loop, _resolve, fut, last)
+            for loop, futs in ready.items():
+                _notify(loop, _resolve_all, futs, last)
 
     def _fail(self, exc: BaseException) -> None:
         with self._cv:
@@ -344,8 +352,8 @@ class GroupCommitter(Committer):
 
 def _notify(
     loop: asyncio.AbstractEventLoop,
-    callback: Callable[[asyncio.Future[int], Any], None],
-    fut: asyncio.Future[int],
+    callback: Callable[[Any, Any], None],
+    fut: Any,
     value: Any,
 ) -> None:
     """Hand a result to a waiter on its event loop.
@@ -361,9 +369,10 @@ def _notify(
             raise
 
 
-def _resolve(fut: asyncio.Future[int], value: int) -> None:
-    if not fut.done():
-        fut.set_result(value)
+def _resolve_all(futs: list[asyncio.Future[int]], value: int) -> None:
+    for fut in futs:
+        if not fut.done():
+            fut.set_result(value)
 
 
 def _reject(fut: asyncio.Future[int], exc: BaseException) -> None:

@@ -43,7 +43,7 @@ name an owner across epochs).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
 from .errors import IllegalTransitionError, StaleAttemptError
@@ -396,15 +396,33 @@ class TrajectoryState:
 
     def loss_mask(self) -> list[int]:
         """One entry per response token (after the prompt): 1 model, 0 tool/environment."""
-        return [1 if s.kind == "model" else 0 for s in self.segments for _ in range(s.tokens)]
+        out: list[int] = []
+        for s in self.segments:  # a segment's run at once: no per-token Python step
+            out += [1 if s.kind == "model" else 0] * s.tokens
+        return out
 
     def token_versions(self) -> list[int]:
         """The weight version of each response token (-1: not a model token)."""
-        return [
-            s.weight_version if s.kind == "model" and s.weight_version is not None else -1
-            for s in self.segments
-            for _ in range(s.tokens)
-        ]
+        out: list[int] = []
+        for s in self.segments:
+            v = s.weight_version if s.kind == "model" and s.weight_version is not None else -1
+            out += [v] * s.tokens
+        return out
+
+
+_TRAJECTORY_FIELDS = tuple(f.name for f in fields(TrajectoryState))
+
+
+def _with(traj: TrajectoryState, **changes: Any) -> TrajectoryState:
+    """``dataclasses.replace`` of a trajectory, without its per-field checks: a turn
+    folds several of these, and ``replace`` costs several times this (every field of
+    :class:`TrajectoryState` is an ``__init__`` field, with no ``__post_init__``)."""
+    out = TrajectoryState(
+        *[changes.pop(n) if n in changes else getattr(traj, n) for n in _TRAJECTORY_FIELDS]
+    )
+    if changes:
+        raise TypeError(f"TrajectoryState has no field(s) {sorted(changes)}")
+    return out
 
 
 #: The trajectories of a run by ``(group_id, sibling)``.
@@ -738,14 +756,14 @@ def evolve_trajectory(
     elif traj is None:
         return None  # a late refusal before the start, or a foreign event: nothing to fold
     elif isinstance(event, LateResultRefused):
-        traj = replace(traj, late_refused=traj.late_refused + 1)
+        traj = _with(traj, late_refused=traj.late_refused + 1)
     elif isinstance(event, TrajectoryResumed):
-        traj = replace(traj, owner=(epoch, event.attempt), resumes=traj.resumes + 1)
+        traj = _with(traj, owner=(epoch, event.attempt), resumes=traj.resumes + 1)
     elif isinstance(event, ModelCallCompleted):
         seg = Segment(
             "model", event.turn, event.output_tokens, event.payload_id, event.weight_version
         )
-        traj = replace(traj, segments=(*traj.segments, seg), turns=event.turn + 1, stepped=False)
+        traj = _with(traj, segments=(*traj.segments, seg), turns=event.turn + 1, stepped=False)
     elif isinstance(event, ToolCallRequested):
         call = ToolCallState(
             idempotency_key=event.idempotency_key,
@@ -756,7 +774,7 @@ def evolve_trajectory(
             idempotent=event.idempotent,
             status_check=event.status_check,
         )
-        traj = replace(traj, tool_calls=(*traj.tool_calls, call))
+        traj = _with(traj, tool_calls=(*traj.tool_calls, call))
     elif isinstance(event, ToolCallCompleted | ToolCallFailed):
         done = isinstance(event, ToolCallCompleted)
         calls = tuple(
@@ -770,7 +788,7 @@ def evolve_trajectory(
             for c in traj.tool_calls
         )
         seg = Segment("tool", event.turn, event.observation_tokens, event.payload_id)
-        traj = replace(traj, tool_calls=calls, segments=(*traj.segments, seg))
+        traj = _with(traj, tool_calls=calls, segments=(*traj.segments, seg))
     elif isinstance(event, EnvironmentStepped):
         segs = traj.segments
         if event.observation_tokens:
@@ -778,7 +796,7 @@ def evolve_trajectory(
                 *segs,
                 Segment("environment", event.turn, event.observation_tokens, event.payload_id),
             )
-        traj = replace(
+        traj = _with(
             traj,
             segments=segs,
             stepped=True,
@@ -789,21 +807,21 @@ def evolve_trajectory(
     elif isinstance(event, TrajectoryTooStale):
         traj = _evolve_staleness(traj, event)
     elif isinstance(event, TrajectoryCompleted):
-        traj = replace(traj, completed=True, final_reward=event.final_reward)
+        traj = _with(traj, completed=True, final_reward=event.final_reward)
     book[key] = traj
     return traj
 
 
 def _evolve_staleness(traj: TrajectoryState, event: TrajectoryTooStale) -> TrajectoryState:
     if event.outcome == "kept":
-        return replace(traj, stale_kept=True)
+        return _with(traj, stale_kept=True)
     if event.outcome == "aborted":
-        return replace(traj, abandoned=True, restarts=traj.restarts + 1)
+        return _with(traj, abandoned=True, restarts=traj.restarts + 1)
     # Restarted: the turns from ``kept`` on leave the context (segments, calls, steps).
     kept = event.turns_kept
     steps = tuple(st for st in traj.steps if st[0] < kept)
     rewards = [r for _, r, _ in steps if r is not None]
-    return replace(
+    return _with(
         traj,
         segments=tuple(s for s in traj.segments if s.turn < kept),
         tool_calls=tuple(c for c in traj.tool_calls if c.turn < kept),
