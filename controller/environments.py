@@ -29,6 +29,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from rolloutlog.eventstore.errors import RolloutlogError
+
 log = logging.getLogger(__name__)
 
 
@@ -164,7 +166,7 @@ class StepEnvironment(Protocol):
 EnvironmentRunner = Callable[[str, Callable[[], Any], bool], Awaitable[Any]]
 
 
-class EnvironmentCallError(Exception):
+class EnvironmentCallError(RolloutlogError):
     """A call of the environment raised, or did not answer by its deadline; the message
     says which call and why (for the sibling attempt's recorded failure)."""
 
